@@ -1,0 +1,178 @@
+"""Every ATOM_* environment variable, declared once.
+
+Each variable is an :class:`EnvVar` record (name, type, default, one-line doc). Values are read
+from ``os.environ`` every time they are accessed -- never frozen into module globals -- and parsed
+strictly: a value outside the accepted set raises :class:`EnvError`, whose message names the
+variable and the accepted values.
+
+Access::
+
+    from atom import envs
+    if envs.ATOM_DISABLE_VLLM_PLUGIN: ...      # parsed value, read now
+    envs.get("ATOM_DISABLED_PATCHES")           # the same, by name
+    envs.VARIABLES                              # the declarations (docs/env_vars.md is made from them)
+
+Precedence where a caller also takes an explicit argument: argument > environment > default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["EnvError", "EnvVar", "VARIABLES", "get", "is_set", "set_values", "OPS_BACKENDS"]
+
+
+class EnvError(ValueError):
+    """A malformed ATOM_* value. The message names the variable and what it accepts."""
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+#: Kernel backends an op can be forced onto (see ATOM_OPS_BACKEND).
+OPS_BACKENDS = ("auto", "aiter", "triton", "torch")
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise EnvError(
+        f"{name}={raw!r} is not a valid value; accepted values: "
+        f"{', '.join(_FALSE[:2] + _TRUE[:2])} (also yes/no, on/off)"
+    )
+
+
+def _parse_id_list(name: str, raw: str) -> tuple[str, ...]:
+    items = tuple(part.strip() for part in raw.split(",") if part.strip())
+    for item in items:
+        if item != "*" and not all(c.isalnum() or c in "._-" for c in item):
+            raise EnvError(
+                f"{name}={raw!r}: {item!r} is not a valid entry; accepted values: a comma-separated "
+                "list of patch ids (letters, digits, '.', '_', '-') or '*' for all"
+            )
+    return items
+
+
+def _parse_ops_backend(name: str, raw: str) -> dict[str, str]:
+    """``auto`` | ``triton`` | ... for every op, or ``op=backend,op=backend`` per op.
+
+    Returns a mapping from op name (``"*"`` for the global choice) to backend.
+    """
+    result: dict[str, str] = {}
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        op, sep, backend = part.partition("=")
+        if not sep:
+            op, backend = "*", op
+        op, backend = op.strip(), backend.strip().lower()
+        if backend not in OPS_BACKENDS or not op:
+            raise EnvError(
+                f"{name}={raw!r}: {part!r} is not valid; accepted values: one of "
+                f"{', '.join(OPS_BACKENDS)}, or a comma list of op=backend "
+                "(e.g. rms_norm=torch,rope=triton)"
+            )
+        result[op] = backend
+    return result
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its name, type, default (as the raw string) and doc."""
+
+    name: str
+    type: str  # human-readable type, shown in docs
+    default: str
+    doc: str
+    parse: Callable[[str, str], Any]
+    accepted: str  # human-readable accepted values, shown in docs
+
+    def read(self, environ: "os._Environ[str] | dict[str, str] | None" = None) -> Any:
+        env = os.environ if environ is None else environ
+        raw = env.get(self.name)
+        if raw is None or raw.strip() == "":
+            raw = self.default
+        return self.parse(self.name, raw)
+
+
+_BOOL = "0, 1, true, false, yes, no, on, off"
+
+VARIABLES: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar(
+            "ATOM_DISABLE_VLLM_PLUGIN", "bool", "0",
+            "Disable atom entirely (platform, model overrides, patches): vLLM runs as if atom "
+            "were not installed.",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
+            "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", "bool", "0",
+            "Keep atom's platform and models but use the attention backend the parent vLLM "
+            "platform would choose.",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
+            "ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION", "bool", "0",
+            "Fuse QK-RMSNorm + RoPE + KV-cache write (+ fp8 quantisation) into one kernel in "
+            "atom's attention (Qwen3 family).",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
+            "ATOM_DISABLED_PATCHES", "list of patch ids", "",
+            "Comma-separated ids of patches/injections to skip ('*' = all); `python -m atom "
+            "patches` lists the ids.",
+            _parse_id_list, "comma list of patch ids, or *",
+        ),
+        EnvVar(
+            "ATOM_ALLOW_UNSUPPORTED_VLLM", "bool", "0",
+            "Activate atom even when the installed vLLM is outside the supported range "
+            "(untested; patches keep their own version guards).",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
+            "ATOM_OPS_BACKEND", "backend or op=backend list", "auto",
+            "Force the kernel backend of atom's ops: one of auto/aiter/triton/torch for all ops, "
+            "or per op as op=backend pairs.",
+            _parse_ops_backend, "auto, aiter, triton, torch, or op=backend,...",
+        ),
+    )
+}
+
+
+def get(name: str, environ: "dict[str, str] | None" = None) -> Any:
+    """The parsed value of ``name``, read from the environment now."""
+    try:
+        var = VARIABLES[name]
+    except KeyError:
+        raise AttributeError(f"unknown atom environment variable {name!r}") from None
+    return var.read(environ)
+
+
+def is_set(name: str) -> bool:
+    """True when ``name`` is present (non-empty) in the environment, whatever its value."""
+    if name not in VARIABLES:
+        raise AttributeError(f"unknown atom environment variable {name!r}")
+    return bool(os.environ.get(name, "").strip())
+
+
+def set_values(environ: "dict[str, str] | None" = None) -> dict[str, Any]:
+    """Every ATOM_* variable that is set, with its parsed value (malformed ones raise)."""
+    env = os.environ if environ is None else environ
+    return {n: v.read(env) for n, v in VARIABLES.items() if env.get(n, "").strip()}
+
+
+def __getattr__(name: str) -> Any:
+    # Module attribute access reads the environment at access time (PEP 562).
+    if name in VARIABLES:
+        return VARIABLES[name].read()
+    raise AttributeError(f"module 'atom.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(VARIABLES))

@@ -1,0 +1,99 @@
+"""The registry: every patch/injection record atom declares, by id, in declaration order.
+
+The registry is the single source of truth for ``python -m atom patches``, ``docs/patches.md``
+and the contract tests. Declaring a record (``register``) does nothing else: nothing is applied
+and nothing is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from atom.patches.core import apply, status
+from atom.patches.records import Injection, Patch, Record
+
+__all__ = ["Registry", "REGISTRY", "register", "listing"]
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._records: dict[str, Record] = {}
+
+    def add(self, record: Record) -> Record:
+        existing = self._records.get(record.id)
+        if existing is not None and existing != record:
+            raise ValueError(f"a different record with id {record.id!r} is already registered")
+        self._records[record.id] = record
+        return record
+
+    def remove(self, record_id: str) -> None:
+        self._records.pop(record_id, None)
+
+    def get(self, record_id: str) -> Record:
+        try:
+            return self._records[record_id]
+        except KeyError:
+            raise KeyError(f"no patch or injection with id {record_id!r}; known: {sorted(self._records)}") from None
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(list(self._records.values()))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, record_id: object) -> bool:
+        return record_id in self._records
+
+    def apply_all(self) -> dict[str, str]:
+        """Apply (or arm) every record, following the environment; id -> status text."""
+        return {r.id: str(apply(r)) for r in self}
+
+
+REGISTRY = Registry()
+
+
+def register(record: Record) -> Record:
+    """Declare ``record`` in the global registry and return it (nothing is applied)."""
+    return REGISTRY.add(record)
+
+
+def _callable_name(ref: object) -> str:
+    if ref is None:
+        return ""
+    if isinstance(ref, str):
+        return ref
+    return f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', repr(ref))}"
+
+
+def listing(registry: Registry = REGISTRY) -> list[dict[str, str]]:
+    """One row per record: its declaration and its state now (for the CLI and the docs)."""
+    rows = []
+    for rec in registry:
+        st = status(rec)
+        row = {
+            "id": rec.id,
+            "kind": rec.kind,
+            "target": rec.target,
+            "vllm": rec.vllm or "any",
+            "toggle": rec.toggle,
+            "state": st.state.value,
+            "detail": st.detail,
+            "reason": rec.reason,
+            "upstream": rec.upstream,
+            "removal": rec.removal,
+        }
+        if isinstance(rec, Patch):
+            row["how"] = "wrap" if rec.wrapper is not None else "replace"
+            row["with"] = _callable_name(rec.wrapper or rec.replacement)
+            row["members"] = rec.target.rpartition(".")[2] if "." in rec.target.partition(":")[2] else rec.target.partition(":")[2]
+            row["signature"] = rec.signature or ""
+            row["aliases"] = ", ".join(rec.aliases)
+        else:
+            assert isinstance(rec, Injection)
+            row["how"] = "inject"
+            row["with"] = _callable_name(rec.source)
+            row["members"] = ", ".join(rec.members)
+            row["signature"] = "; ".join(f"{m}{s}" for m, s in rec.signatures)
+            row["aliases"] = ""
+        rows.append(row)
+    return rows

@@ -1,0 +1,19 @@
+"""Where atom's patch/injection records are declared: importing these modules registers them.
+
+Declaring a record imports nothing of vLLM, so loading the catalog is cheap and safe anywhere
+(``python -m atom patches``, docs generation, the contract tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: Modules that declare records at import (each must not import vLLM or torch).
+CATALOG_MODULES = ("atom.plugin.vllm.patches",)
+
+
+def load(include_test_fixtures: bool = False) -> None:
+    for name in CATALOG_MODULES:
+        importlib.import_module(name)
+    if include_test_fixtures:
+        importlib.import_module("tests.fixtures.patch_catalog")

@@ -1,0 +1,76 @@
+"""atom/envs.py: declared once, read at access time, parsed strictly."""
+
+import pytest
+
+from atom import envs
+from atom.envs import EnvError
+
+BOOLS = [n for n, v in envs.VARIABLES.items() if v.type == "bool"]
+
+
+def test_required_variables_are_declared():
+    for name in ("ATOM_DISABLE_VLLM_PLUGIN", "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION",
+                 "ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION", "ATOM_DISABLED_PATCHES"):
+        assert name in envs.VARIABLES
+        assert envs.VARIABLES[name].doc
+
+
+@pytest.mark.parametrize("name", BOOLS)
+def test_bool_defaults_and_values(monkeypatch, name):
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(envs, name) is False
+    for raw, expected in [("1", True), ("true", True), ("YES", True), ("on", True),
+                          ("0", False), ("false", False), ("No", False), ("off", False), ("", False)]:
+        monkeypatch.setenv(name, raw)
+        assert getattr(envs, name) is expected, raw
+
+
+@pytest.mark.parametrize("name", BOOLS)
+def test_bool_bad_value_names_variable_and_accepted_values(monkeypatch, name):
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(EnvError) as exc:
+        getattr(envs, name)
+    msg = str(exc.value)
+    assert name in msg and "'maybe'" in msg and "accepted values" in msg and "0" in msg and "1" in msg
+
+
+def test_read_at_access_time_not_import(monkeypatch):
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "0")
+    assert envs.ATOM_DISABLE_VLLM_PLUGIN is False
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "1")
+    assert envs.ATOM_DISABLE_VLLM_PLUGIN is True
+    assert envs.get("ATOM_DISABLE_VLLM_PLUGIN") is True
+
+
+def test_disabled_patches_list(monkeypatch):
+    monkeypatch.setenv("ATOM_DISABLED_PATCHES", " a.b , c-d,,* ")
+    assert envs.ATOM_DISABLED_PATCHES == ("a.b", "c-d", "*")
+    monkeypatch.setenv("ATOM_DISABLED_PATCHES", "a;b")
+    with pytest.raises(EnvError, match="ATOM_DISABLED_PATCHES"):
+        envs.ATOM_DISABLED_PATCHES
+
+
+def test_ops_backend(monkeypatch):
+    monkeypatch.delenv("ATOM_OPS_BACKEND", raising=False)
+    assert envs.ATOM_OPS_BACKEND == {"*": "auto"}
+    monkeypatch.setenv("ATOM_OPS_BACKEND", "triton")
+    assert envs.ATOM_OPS_BACKEND == {"*": "triton"}
+    monkeypatch.setenv("ATOM_OPS_BACKEND", "torch, rms_norm=triton")
+    assert envs.ATOM_OPS_BACKEND == {"*": "torch", "rms_norm": "triton"}
+    monkeypatch.setenv("ATOM_OPS_BACKEND", "cuda")
+    with pytest.raises(EnvError, match="ATOM_OPS_BACKEND.*auto, aiter, triton, torch"):
+        envs.ATOM_OPS_BACKEND
+
+
+def test_unknown_variable():
+    with pytest.raises(AttributeError):
+        envs.ATOM_NOT_A_VARIABLE
+    with pytest.raises(AttributeError):
+        envs.get("ATOM_NOT_A_VARIABLE")
+
+
+def test_set_values(monkeypatch):
+    for n in envs.VARIABLES:
+        monkeypatch.delenv(n, raising=False)
+    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", "1")
+    assert envs.set_values() == {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": True}
