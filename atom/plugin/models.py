@@ -1,0 +1,35 @@
+"""THE architecture table: HF architecture -> vLLM wrapper class -> atom model class.
+
+Defined once; ``register_model`` (vLLM overrides), the model wrapper (which atom model to build),
+``python -m atom doctor`` and ``docs/supported_models.md`` all read it. Strings only: nothing is
+imported until vLLM builds a model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+WRAPPER_MODULE = "atom.plugin.vllm.model_wrapper"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    arch: str  # HF `architectures[0]`, the key of vLLM's ModelRegistry
+    wrapper: str  # class name in atom.plugin.vllm.model_wrapper
+    model: str  # "atom.models.module:Class"
+
+    @property
+    def wrapper_ref(self) -> str:
+        return f"{WRAPPER_MODULE}:{self.wrapper}"
+
+    def implemented(self) -> bool:
+        """True when atom's model module exists in this installation (no import)."""
+        return importlib.util.find_spec(self.model.partition(":")[0]) is not None
+
+
+MODEL_TABLE: tuple[ModelEntry, ...] = (
+    ModelEntry("Qwen3ForCausalLM", "ATOMForCausalLM", "atom.models.qwen3:Qwen3ForCausalLM"),
+)
+
+BY_ARCH: dict[str, ModelEntry] = {e.arch: e for e in MODEL_TABLE}

@@ -1,0 +1,152 @@
+"""vLLM's two entry points into atom (see pyproject.toml):
+
+* ``vllm.platform_plugins: atom = atom.plugin.vllm.register:register_platform``
+* ``vllm.general_plugins: atom_model_registry = atom.plugin.vllm.register:register_model``
+
+Importing this module imports neither vLLM nor torch. vLLM calls ``register_platform`` twice in
+every process and ``register_model`` once per process; both are cheap and idempotent.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from atom import envs
+from atom._logging import get_logger, info_once, warn_once
+
+logger = get_logger("atom.plugin")
+
+#: vLLM versions atom is written and tested for (DESIGN: 0.26 on the GPU, 0.32 on CPU).
+SUPPORTED_VLLM = ">=0.26,<0.34"
+
+#: vLLM's builtin platform detector name -> atom platform class (a subclass of vLLM's platform).
+PLATFORM_CLASSES = {
+    "cpu": "atom.plugin.vllm.platform_cpu.ATOMCpuPlatform",
+    "cuda": "atom.plugin.vllm.platform_cuda.ATOMCudaPlatform",
+    "rocm": "atom.plugin.vllm.platform_rocm.ATOMRocmPlatform",
+}
+
+
+def vllm_support() -> tuple[bool, str]:
+    """(activate?, reason) for the installed vLLM version, honouring ATOM_ALLOW_UNSUPPORTED_VLLM."""
+    from atom.patches.versions import installed_vllm, vllm_version_in
+
+    found = installed_vllm()
+    if found is None:
+        return False, "vLLM is not installed"
+    ok, version = vllm_version_in(SUPPORTED_VLLM)
+    if ok:
+        return True, f"vLLM {version} is supported ({SUPPORTED_VLLM})"
+    if envs.ATOM_ALLOW_UNSUPPORTED_VLLM:
+        return True, (f"vLLM {version} is outside the supported range {SUPPORTED_VLLM}; "
+                      "activating anyway because ATOM_ALLOW_UNSUPPORTED_VLLM=1")
+    return False, (f"vLLM {version} is outside the supported range {SUPPORTED_VLLM}; atom stays "
+                   "off (set ATOM_ALLOW_UNSUPPORTED_VLLM=1 to try it anyway)")
+
+
+@functools.lru_cache(maxsize=None)
+def detect_device() -> Optional[str]:
+    """The builtin platform vLLM itself would pick ("cuda", "rocm", "cpu", ...), or None.
+
+    Runs vLLM's own detectors once per process (cached): vLLM calls our hook twice per process.
+    """
+    from vllm import envs as vllm_envs
+    from vllm.platforms import builtin_platform_plugins, cpu_platform_plugin
+
+    if vllm_envs.VLLM_TARGET_DEVICE == "cpu":
+        return "cpu"
+    found = []
+    for name, detect in builtin_platform_plugins.items():
+        try:
+            if detect() is not None:
+                found.append(name)
+        except Exception:  # vLLM's loop treats a failing detector as "not this device" too
+            continue
+    if len(found) == 1:
+        return found[0]
+    if not found and cpu_platform_plugin() is not None:
+        return "cpu"
+    return None
+
+
+def activation() -> tuple[Optional[str], str]:
+    """(platform qualname or None, one-line reason). Shared by register_platform and doctor."""
+    if envs.ATOM_DISABLE_VLLM_PLUGIN:
+        return None, "disabled by ATOM_DISABLE_VLLM_PLUGIN=1"
+    ok, why = vllm_support()
+    if not ok:
+        return None, why
+    device = detect_device()
+    if device not in PLATFORM_CLASSES:
+        return None, f"no supported device (vLLM would use {device or 'no platform'})"
+    return PLATFORM_CLASSES[device], f"{why}; device {device}"
+
+
+def register_platform() -> Optional[str]:
+    """vLLM platform hook: the qualname of atom's platform for this device, or None.
+
+    None when ATOM_DISABLE_VLLM_PLUGIN=1, when the installed vLLM is outside the supported range
+    (one warning), or when there is no supported device. vLLM swallows exceptions from platform
+    hooks, so a malformed ATOM_* value is logged here as an error (``register_model`` then raises
+    it, which vLLM does not swallow).
+    """
+    try:
+        qualname, why = activation()
+    except envs.EnvError as exc:
+        warn_once("platform-env-error", f"atom platform not activated: {exc}", logger)
+        return None
+    if qualname is None:
+        if "outside the supported range" in why or "no supported device" in why:
+            warn_once("platform-off", f"atom platform not activated: {why}", logger)
+        else:
+            info_once("platform-off", f"atom platform not activated: {why}", logger)
+        return None
+    if "outside the supported range" in why:
+        warn_once("platform-untested", f"atom: {why}", logger)
+    info_once("platform-on", f"atom platform {qualname.rpartition('.')[2]} activated ({why})", logger)
+    return qualname
+
+
+_models_registered = False
+
+
+def register_model() -> None:
+    """vLLM general-plugin hook (once per process): model overrides + arming atom's patches.
+
+    Overrides the architectures of atom's one table (``atom.plugin.models.MODEL_TABLE``) that
+    both atom implements and this vLLM knows, with lazy ``"module:Class"`` strings, then arms the
+    records of ``atom.plugin.vllm.patches`` through the toolkit. Raises :class:`atom.envs.EnvError`
+    for malformed ATOM_* values (vLLM does not swallow general-plugin errors).
+    """
+    global _models_registered
+    envs.set_values()  # parse every ATOM_* variable now: a malformed one stops here, clearly
+    if envs.ATOM_DISABLE_VLLM_PLUGIN:
+        info_once("models-off", "atom model overrides not registered: ATOM_DISABLE_VLLM_PLUGIN=1", logger)
+        return
+    ok, why = vllm_support()
+    if not ok:
+        warn_once("models-off", f"atom model overrides not registered: {why}", logger)
+        return
+    if _models_registered:
+        return
+    _models_registered = True
+
+    from vllm import ModelRegistry
+
+    from atom.plugin.models import MODEL_TABLE
+
+    known = set(ModelRegistry.get_supported_archs())
+    for entry in MODEL_TABLE:
+        if entry.arch not in known:
+            logger.debug("atom: vLLM %s does not know %s; not overridden", why, entry.arch)
+            continue
+        if not entry.implemented():
+            logger.debug("atom: no atom model module for %s; not overridden", entry.arch)
+            continue
+        ModelRegistry.register_model(entry.arch, entry.wrapper_ref)
+        logger.info("Register model %s to vLLM with %s", entry.arch, entry.wrapper_ref)
+
+    from atom.plugin.vllm import patches
+
+    patches.arm_all()

@@ -1,0 +1,83 @@
+"""Platform resolution through vLLM's own code, with atom on, off, and misconfigured."""
+
+from tests.conftest import run_python
+
+RESOLVE = """
+    import vllm, vllm.platforms as P
+    print("UNRESOLVED_AFTER_IMPORT", P._current_platform is None)
+    from vllm.platforms import current_platform
+    mro = [f"{c.__module__}.{c.__qualname__}" for c in type(current_platform).__mro__]
+    print("MRO", mro)
+    print("ENUM", current_platform._enum.name, "DEVICE", current_platform.device_type)
+"""
+
+
+def test_import_vllm_does_not_resolve_platform_and_atom_wins():
+    proc = run_python(RESOLVE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "UNRESOLVED_AFTER_IMPORT True" in proc.stdout
+    mro = proc.stdout.split("MRO ")[1].splitlines()[0]
+    assert "atom.plugin.vllm.platform_cpu.ATOMCpuPlatform" in mro
+    assert "atom.plugin.vllm.platform.ATOMPlatform" in mro
+    assert "vllm.platforms.cpu.CpuPlatform" in mro
+    assert "ENUM CPU DEVICE cpu" in proc.stdout  # the parent's identity is kept
+    assert "atom platform ATOMCpuPlatform activated" in proc.stderr
+
+
+def test_disabled_resolves_vllms_own_platform():
+    proc = run_python(RESOLVE, env={"ATOM_DISABLE_VLLM_PLUGIN": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mro = proc.stdout.split("MRO ")[1].splitlines()[0]
+    assert mro.startswith("['vllm.platforms.cpu.CpuPlatform'") and "atom" not in mro
+
+
+def test_bad_value_fails_with_a_clear_message():
+    proc = run_python("""
+        from vllm.plugins import load_general_plugins
+        from vllm.platforms import current_platform
+        print("PLATFORM", type(current_platform).__name__)
+        load_general_plugins()
+    """, env={"ATOM_DISABLE_VLLM_PLUGIN": "maybe"})
+    assert proc.returncode != 0
+    assert "PLATFORM CpuPlatform" in proc.stdout  # vLLM swallowed the platform hook's error...
+    # ...which atom logged, and the general plugin raises it (vLLM does not swallow that).
+    assert "ATOM_DISABLE_VLLM_PLUGIN='maybe' is not a valid value" in proc.stderr
+    assert "accepted values" in proc.stderr and "EnvError" in proc.stderr
+
+
+def test_hooks_are_idempotent_and_cheap_to_call_again():
+    proc = run_python("""
+        from atom.plugin.vllm.register import register_model, register_platform
+        a, b = register_platform(), register_platform()
+        from vllm import ModelRegistry
+        register_model()
+        before = dict(ModelRegistry.models)
+        register_model(); register_platform()
+        after = dict(ModelRegistry.models)
+        print("SAME", a == b, a, all(before[k] is after[k] for k in before) and before.keys() == after.keys())
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SAME True atom.plugin.vllm.platform_cpu.ATOMCpuPlatform True" in proc.stdout
+    assert proc.stderr.count("atom platform ATOMCpuPlatform activated") == 1  # one log line
+
+
+def test_unsupported_vllm_version_warns_once_and_stays_off(monkeypatch):
+    code = """
+        from packaging.version import Version
+        import atom.patches.versions as v
+        v.installed_vllm.cache_clear()
+        v.installed_vllm = lambda: ("vllm", Version("0.20.0"))
+        from atom.plugin.vllm.register import register_platform, register_model
+        print("RESULT", register_platform(), register_platform())
+        register_model()
+        from vllm import ModelRegistry
+        print("OVERRIDDEN", any(m.__class__.__name__ == "_LazyRegisteredModel" and m.module_name.startswith("atom.")
+                                for m in ModelRegistry.models.values()))
+    """
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT None None" in proc.stdout and "OVERRIDDEN False" in proc.stdout
+    assert proc.stderr.count("vLLM 0.20.0 is outside the supported range >=0.26,<0.34") == 2  # platform + models
+    assert "ATOM_ALLOW_UNSUPPORTED_VLLM=1" in proc.stderr
+    proc = run_python(code, env={"ATOM_ALLOW_UNSUPPORTED_VLLM": "1"})
+    assert "RESULT atom.plugin.vllm.platform_cpu.ATOMCpuPlatform" in proc.stdout, proc.stderr[-2000:]
