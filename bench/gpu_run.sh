@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Steps run on the GPU machine after ../shared/gpu/stage_vllm.py's parts are unpacked into
+# /tmp/site (see ../shared/gpu/README.md). Usage: bash bench/gpu_run.sh STEP [STEP ...]
+#   install  install the atom wheel carried in .stage/tools into /tmp/site (entry points visible)
+#   facts    bench/vllm_facts.py               -> $OUT/facts.txt
+#   demo     scripts/demo.py (atom on vs off)  -> $OUT/demo.txt
+#   tests    GPU-marked tests                  -> $OUT/gpu_tests.txt
+#   ops      bench/ops_memory.py + bench/ops_compute.py -> $OUT/ops_*.txt/json
+# Results land under $OUT, which the device tool brings back.
+set -uo pipefail
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+       VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+for step in "$@"; do
+    echo "=== $step $(date +%T)"
+    case "$step" in
+        install) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .stage/tools/atom_vllm-*.whl 2>&1 | tail -2 ;;
+        facts) python3 bench/vllm_facts.py > "$OUT/facts.txt" 2>&1; tail -5 "$OUT/facts.txt" ;;
+        demo) timeout 400 python3 scripts/demo.py --out /tmp/demo > "$OUT/demo.txt" 2>&1; tail -8 "$OUT/demo.txt" ;;
+        tests) timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt" ;;
+        ops) timeout 280 python3 bench/ops_memory.py --json "$OUT/ops_memory.json" > "$OUT/ops_memory.txt" 2>&1; tail -30 "$OUT/ops_memory.txt"
+             timeout 280 python3 bench/ops_compute.py --json "$OUT/ops_compute.json" > "$OUT/ops_compute.txt" 2>&1; tail -30 "$OUT/ops_compute.txt" ;;
+        *) echo "unknown step $step" ;;
+    esac
+done
