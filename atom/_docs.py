@@ -60,9 +60,26 @@ def render_patches() -> str:
     return "".join(lines)
 
 
+def render_supported_models() -> str:
+    from atom.plugin.models import MODEL_TABLE, WRAPPER_MODULE
+
+    lines = [
+        HEADER.format(src="atom/plugin/models.py (the one architecture table)"),
+        "# Supported models\n\n",
+        "`register_model` overrides these architectures in vLLM's `ModelRegistry` (only those "
+        "the installed vLLM knows); every other architecture runs vLLM's own implementation, "
+        "still on atom's platform. `ATOM_DISABLE_VLLM_PLUGIN=1` restores vLLM's classes.\n\n",
+        "| HF architecture | vLLM class (atom wrapper) | atom model | verified |\n|---|---|---|---|\n",
+    ]
+    for e in MODEL_TABLE:
+        lines.append(f"| `{e.arch}` | `{WRAPPER_MODULE}:{e.wrapper}` | `{e.model}` | {_cell(e.verified or 'not yet')} |\n")
+    return "".join(lines)
+
+
 GENERATED = {
     "docs/env_vars.md": render_env_vars,
     "docs/patches.md": render_patches,
+    "docs/supported_models.md": render_supported_models,
 }
 
 

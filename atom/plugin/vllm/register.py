@@ -137,6 +137,7 @@ def register_model() -> None:
     from atom.plugin.models import MODEL_TABLE
 
     known = set(ModelRegistry.get_supported_archs())
+    overridden = []
     for entry in MODEL_TABLE:
         if entry.arch not in known:
             logger.debug("atom: vLLM %s does not know %s; not overridden", why, entry.arch)
@@ -145,8 +146,13 @@ def register_model() -> None:
             logger.debug("atom: no atom model module for %s; not overridden", entry.arch)
             continue
         ModelRegistry.register_model(entry.arch, entry.wrapper_ref)
+        overridden.append(entry.arch)
         logger.info("Register model %s to vLLM with %s", entry.arch, entry.wrapper_ref)
 
     from atom.plugin.vllm import patches
 
-    patches.arm_all()
+    states = patches.arm_all()
+    # The banner: one line a user can grep for to see what atom did in this process.
+    summary = ", ".join(f"{pid} {st.split(':')[0]}" for pid, st in states.items()) or "none"
+    logger.info("atom active: %d model override(s) (%s); patches: %s", len(overridden),
+                ", ".join(overridden) or "none", summary)
