@@ -1,0 +1,35 @@
+"""atom's kernels. Each op: a plain-torch reference, a Triton kernel, an AITER binding on ROCm,
+and one dispatcher (:mod:`atom.ops._dispatch`). Never imports vLLM."""
+
+from atom.ops._dispatch import BACKENDS, OPS, BackendUnavailable, Op, register
+
+__all__ = ["BACKENDS", "OPS", "BackendUnavailable", "Op", "register"]
+
+# Memory-bound ops (norm, RoPE, KV-cache write, fused QK-norm+RoPE+cache, activation, fp8 quant).
+from atom.ops.rmsnorm import rms_norm  # noqa: E402
+from atom.ops.rotary import rotary_embedding  # noqa: E402
+from atom.ops.kv_cache import reshape_and_cache  # noqa: E402
+from atom.ops.fused_qk_norm_rope_cache import fused_qk_norm_rope_cache, split_qkv  # noqa: E402
+from atom.ops.activation import silu_and_mul  # noqa: E402
+from atom.ops.quant import per_block_quant_fp8, per_token_quant_fp8  # noqa: E402
+
+__all__ += [
+    "rms_norm",
+    "rotary_embedding",
+    "reshape_and_cache",
+    "fused_qk_norm_rope_cache",
+    "split_qkv",
+    "silu_and_mul",
+    "per_token_quant_fp8",
+    "per_block_quant_fp8",
+]
+
+# Compute ops (paged attention, MLA, fused MoE): importing the modules registers them in OPS.
+# They import only torch; their Triton kernels load on the first Triton call.
+from atom.ops import attention, mla, moe  # noqa: E402,F401
+from atom.ops.attention import paged_attention  # noqa: E402
+from atom.ops.mla import mla_decode, mla_write_latent_cache  # noqa: E402
+from atom.ops.moe import fused_moe, grouped_topk_sigmoid, topk_softmax  # noqa: E402
+
+__all__ += ["paged_attention", "mla_decode", "mla_write_latent_cache", "fused_moe",
+            "grouped_topk_sigmoid", "topk_softmax"]

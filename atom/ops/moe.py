@@ -1,0 +1,347 @@
+"""Mixture-of-experts ops: routing (softmax top-k, DeepSeek grouped sigmoid top-k) and the fused
+expert MLP.
+
+``fused_moe(x, w13, w2, topk_weights, topk_ids)`` computes, for every token ``t``::
+
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]),  e = topk_ids[t, j]
+
+with ``w13 = [gate; up]`` (``[E, 2 * inter, hidden]``, gate rows first) and
+``silu_and_mul(h) = silu(h[:inter]) * h[inter:]`` (vLLM's convention). With ``expert_map``
+(global id -> local id, -1 = expert not on this rank) the weights hold only the local experts
+and pairs routed elsewhere contribute zero.
+
+fp8 block-scaled weights (``block_shape = [block_n, block_k]``, DeepSeek-V3 / Qwen3-FP8 style):
+``w`` is float8_e4m3fn with one float32 scale per ``block_n x block_k`` tile
+(``w_scale[e, n // block_n, k // block_k]``, dequant = value * scale). Activations entering each
+GEMM are quantised dynamically per token and group of ``block_k`` channels: ``s = max|x_g| /
+448``, ``q = fp8(x_g / s)``. The second GEMM's input (the silu-and-mul output) is quantised
+from float32 the same way.
+
+Routing returns ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from atom.ops._dispatch import Op, register
+
+__all__ = [
+    "topk_softmax", "grouped_topk_sigmoid", "fused_moe",
+    "topk_softmax_torch", "grouped_topk_sigmoid_torch", "fused_moe_torch",
+    "per_token_group_quant_fp8_torch", "dequant_block_fp8_torch",
+]
+
+FP8_MAX = 448.0
+_FP8 = torch.float8_e4m3fn
+
+
+# -- routing -----------------------------------------------------------------------------------
+
+
+def topk_softmax_torch(router_logits: torch.Tensor, top_k: int,
+                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (float32), then the ``top_k`` largest; optionally renormalised to sum 1."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids.to(torch.int32)
+
+
+def grouped_topk_sigmoid_torch(router_logits: torch.Tensor, correction_bias: torch.Tensor,
+                               top_k: int, num_groups: int, topk_groups: int,
+                               routed_scaling_factor: float,
+                               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing.
+
+    ``score = sigmoid(logits)``; groups are ranked by the sum of their two best ``score +
+    bias``; within the ``topk_groups`` best groups the ``top_k`` experts with the largest
+    ``score + bias`` are chosen; their weights are the scores *without* bias, renormalised to
+    sum 1 when ``renormalize``, times ``routed_scaling_factor``.
+    """
+    num_tokens, num_experts = router_logits.shape
+    _check_groups(num_experts, num_groups, topk_groups, top_k)
+    score = torch.sigmoid(router_logits.float())
+    choice = score + correction_bias.float()[None, :]
+    grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
+    group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    top_groups = group_score.topk(topk_groups, dim=-1).indices
+    group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_groups, True)
+    expert_mask = group_mask.repeat_interleave(num_experts // num_groups, dim=1)
+    ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1).indices
+    w = score.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w * routed_scaling_factor, ids.to(torch.int32)
+
+
+def _check_groups(num_experts: int, num_groups: int, topk_groups: int, top_k: int) -> None:
+    if num_experts % num_groups:
+        raise ValueError(f"num_experts {num_experts} is not a multiple of num_groups {num_groups}")
+    if num_experts // num_groups < 2:
+        raise ValueError("grouped top-k ranks groups by their two best experts: groups of >= 2")
+    if not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"topk_groups {topk_groups} not in [1, {num_groups}]")
+    if top_k > topk_groups * (num_experts // num_groups):
+        raise ValueError(f"top_k {top_k} exceeds the experts of {topk_groups} groups")
+
+
+def _routing_triton_supports(router_logits: torch.Tensor, *args, **kwargs) -> Optional[str]:
+    if router_logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"router_logits dtype {router_logits.dtype}"
+    if router_logits.stride(-1) != 1:
+        return "router_logits must have a unit-stride expert dimension"
+    if router_logits.shape[-1] > 4096:
+        return f"{router_logits.shape[-1]} experts (> 4096) in one tile"
+    return None
+
+
+def _topk_softmax_triton(router_logits: torch.Tensor, top_k: int,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from atom.ops.moe_triton import topk_softmax_fwd
+
+    return topk_softmax_fwd(router_logits, top_k, renormalize)
+
+
+def _grouped_triton_supports(router_logits: torch.Tensor, correction_bias: torch.Tensor,
+                             top_k: int, num_groups: int, topk_groups: int,
+                             *args, **kwargs) -> Optional[str]:
+    why = _routing_triton_supports(router_logits)
+    if why:
+        return why
+    e = router_logits.shape[-1]
+    if e & (e - 1) or num_groups & (num_groups - 1):
+        return f"num_experts ({e}) and num_groups ({num_groups}) must be powers of two"
+    return None
+
+
+def _grouped_topk_sigmoid_triton(router_logits: torch.Tensor, correction_bias: torch.Tensor,
+                                 top_k: int, num_groups: int, topk_groups: int,
+                                 routed_scaling_factor: float,
+                                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_groups(router_logits.shape[1], num_groups, topk_groups, top_k)
+    from atom.ops.moe_triton import grouped_topk_sigmoid_fwd
+
+    return grouped_topk_sigmoid_fwd(router_logits, correction_bias, top_k, num_groups,
+                                    topk_groups, routed_scaling_factor, renormalize)
+
+
+def _topk_softmax_aiter(router_logits: torch.Tensor, top_k: int,
+                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    import aiter  # noqa: deferred: ROCm only
+
+    t = router_logits.shape[0]
+    w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    token_expert = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    aiter.topk_softmax(w, ids, token_expert, router_logits, renormalize)
+    return w, ids
+
+
+def _grouped_topk_sigmoid_aiter(router_logits: torch.Tensor, correction_bias: torch.Tensor,
+                                top_k: int, num_groups: int, topk_groups: int,
+                                routed_scaling_factor: float,
+                                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    import aiter  # noqa: deferred: ROCm only
+
+    t = router_logits.shape[0]
+    w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    aiter.biased_grouped_topk(router_logits, correction_bias.to(router_logits.dtype), w, ids,
+                              num_groups, topk_groups, renormalize, routed_scaling_factor)
+    return w, ids
+
+
+topk_softmax = register(Op(
+    name="topk_softmax",
+    torch_impl=topk_softmax_torch,
+    triton_impl=_topk_softmax_triton,
+    aiter_impl=_topk_softmax_aiter,
+    triton_supports=_routing_triton_supports,
+    doc="MoE routing: softmax over experts, top-k, optional renormalisation.",
+))
+
+grouped_topk_sigmoid = register(Op(
+    name="grouped_topk_sigmoid",
+    torch_impl=grouped_topk_sigmoid_torch,
+    triton_impl=_grouped_topk_sigmoid_triton,
+    aiter_impl=_grouped_topk_sigmoid_aiter,
+    triton_supports=_grouped_triton_supports,
+    doc="DeepSeek-V3 routing: sigmoid scores, bias-corrected group-limited top-k.",
+))
+
+
+# -- fused MoE ---------------------------------------------------------------------------------
+
+
+def per_token_group_quant_fp8_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [rows, cols]`` -> (fp8 e4m3 values, float32 scales ``[rows, ceil(cols / group)]``).
+
+    ``s = max(|x_g|, 1e-10) / 448`` per row and group of ``group`` columns; ``q = fp8(x_g / s)``.
+    """
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    xf = x.float()
+    pad = groups * group - cols
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    xg = xf.view(rows, groups, group)
+    s = xg.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    q = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(_FP8)
+    return q.view(rows, groups * group)[:, :cols], s
+
+
+def _qdq(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Quantise-dequantise per token group (what the fp8 GEMM sees), float32."""
+    q, s = per_token_group_quant_fp8_torch(x, group)
+    return q.float() * s.repeat_interleave(group, dim=1)[:, : x.shape[1]]
+
+
+def dequant_block_fp8_torch(w: torch.Tensor, scale: torch.Tensor,
+                            block_shape: Sequence[int]) -> torch.Tensor:
+    """fp8 ``w [E, N, K]`` with ``scale [E, ceil(N/bn), ceil(K/bk)]`` -> float32 weights."""
+    bn, bk = int(block_shape[0]), int(block_shape[1])
+    n, k = w.shape[-2:]
+    s = scale.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return w.float() * s
+
+
+def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor],
+               w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
+               block_shape: Optional[Sequence[int]], out: Optional[torch.Tensor] = None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden], got {tuple(x.shape)}")
+    t, hidden = x.shape
+    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2 * inter, {hidden}], got {tuple(w13.shape)}")
+    e, two_inter, _ = w13.shape
+    if tuple(w2.shape) != (e, hidden, two_inter // 2):
+        raise ValueError(f"w2 must be [{e}, {hidden}, {two_inter // 2}], got {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [{t}, top_k]")
+    fp8 = w13.dtype == _FP8
+    if fp8 != (block_shape is not None) or fp8 != (w2.dtype == _FP8):
+        raise ValueError("fp8 weights (both w13 and w2) go with block_shape and scales; "
+                         "bf16/fp16/fp32 weights without")
+    if fp8:
+        if w13_scale is None or w2_scale is None or len(block_shape) != 2:
+            raise ValueError("fp8 weights need w13_scale, w2_scale and block_shape=[bn, bk]")
+        bn, bk = block_shape
+        for name, w, s in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
+            want = (e, -(-w.shape[1] // bn), -(-w.shape[2] // bk))
+            if tuple(s.shape) != want:
+                raise ValueError(f"{name} must be {list(want)}, got {tuple(s.shape)}")
+    elif w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"weights {w13.dtype}/{w2.dtype} must match x {x.dtype}")
+    if expert_map is not None and expert_map.dim() != 1:
+        raise ValueError("expert_map must be [num_global_experts]")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                    expert_map: Optional[torch.Tensor] = None,
+                    w13_scale: Optional[torch.Tensor] = None,
+                    w2_scale: Optional[torch.Tensor] = None,
+                    block_shape: Optional[Sequence[int]] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference fused MoE (float32 math, one dense matmul pair per expert that has tokens).
+
+    Returns ``[tokens, hidden]`` in ``x``'s dtype (written into ``out`` when given).
+    """
+    _check_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, block_shape,
+               out)
+    inter = w13.shape[1] // 2
+    fp8 = block_shape is not None
+    if fp8:
+        bk = int(block_shape[1])
+        w13f = dequant_block_fp8_torch(w13, w13_scale, block_shape)
+        w2f = dequant_block_fp8_torch(w2, w2_scale, block_shape)
+        xin = _qdq(x, bk)
+    else:
+        w13f, w2f, xin = w13.float(), w2.float(), x.float()
+    ids = topk_ids.long()
+    local = expert_map.long()[ids] if expert_map is not None else ids
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(local).tolist():
+        if e < 0:
+            continue
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        h = xin[tok] @ w13f[e].t()
+        a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        if fp8:
+            a = _qdq(a, bk)
+        y = a @ w2f[e].t()
+        acc.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
+    if out is None:
+        return acc.to(x.dtype)
+    out.copy_(acc)
+    return out
+
+
+def _fused_moe_triton_supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                               topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                               expert_map=None, w13_scale=None, w2_scale=None,
+                               block_shape=None, out=None) -> Optional[str]:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"x dtype {x.dtype}"
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("out", out)):
+        if t is not None and t.stride(-1) != 1:
+            return f"{name} must be unit-stride in its last dim"
+    if block_shape is not None:
+        bk = int(block_shape[1])
+        if bk < 16 or bk & (bk - 1):
+            return f"block_k {bk} must be a power of two >= 16"
+    return None
+
+
+def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      **kwargs) -> torch.Tensor:
+    _check_moe(x, w13, w2, topk_weights, topk_ids, kwargs.get("expert_map"),
+               kwargs.get("w13_scale"), kwargs.get("w2_scale"), kwargs.get("block_shape"),
+               kwargs.get("out"))
+    from atom.ops.moe_triton import fused_moe_fwd
+
+    return fused_moe_fwd(x, w13, w2, topk_weights, topk_ids, **kwargs)
+
+
+def _fused_moe_aiter_supports(x: torch.Tensor, w13: torch.Tensor, *args, expert_map=None,
+                              block_shape=None, **kwargs) -> Optional[str]:
+    if expert_map is not None:
+        return "expert_map (expert parallelism) is not covered by atom's aiter binding"
+    if block_shape is not None:
+        return "fp8 block-scaled weights are not covered by atom's aiter binding (aiter wants its own scale layout)"
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"aiter fused_moe needs fp16/bf16, got {x.dtype}"
+    return None
+
+
+def _fused_moe_aiter(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    from aiter.fused_moe import fused_moe as aiter_fused_moe  # deferred: ROCm only
+
+    res = aiter_fused_moe(x, w13, w2, topk_weights.float(), topk_ids.to(torch.int32))
+    out = kwargs.get("out")
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+fused_moe = register(Op(
+    name="fused_moe",
+    torch_impl=fused_moe_torch,
+    triton_impl=_fused_moe_triton,
+    aiter_impl=_fused_moe_aiter,
+    triton_supports=_fused_moe_triton_supports,
+    aiter_supports=_fused_moe_aiter_supports,
+    doc="Fused MoE expert MLP (gate/up + SiLU-and-mul + down, routing-weighted sum); bf16 and "
+        "fp8 block-scaled weights; expert parallelism via expert_map.",
+))

@@ -1,0 +1,582 @@
+"""Triton kernels for MoE routing and the fused expert MLP (imported lazily by :mod:`atom.ops.moe`).
+
+fused_moe pipeline (one launch each, no host synchronisation):
+
+1. ``_moe_align_kernel`` (one program per local expert): every program histograms the routed
+   (token, slot) pairs, prefix-sums the per-expert counts padded to BLOCK_M, and scatters the
+   indices of its own expert's pairs into ``sorted_ids`` (pad entries hold ``num_pairs``). Pairs
+   routed to experts that are not on this rank (``expert_map`` = -1) are dropped here.
+2. (fp8) ``_group_quant_kernel``: activations -> fp8 with one scale per token and group of
+   ``block_k`` channels.
+3. ``_moe_gemm1_kernel``: per BLOCK_M block of sorted pairs (one expert), the gate and up
+   halves of ``w13`` are multiplied in the same K loop and ``silu(gate) * up`` is applied in the
+   epilogue; with fp8 and BLOCK_N == block_k the epilogue also quantises the result per
+   token-group, so the second GEMM reads fp8 directly.
+4. ``_moe_gemm2_kernel``: the down projection; the epilogue multiplies by the routing weight
+   and writes one row per (token, slot) pair (or straight into the output when top_k == 1).
+5. ``_moe_sum_kernel``: sums the top_k rows of each token (skipping pairs of absent experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from atom.ops._dispatch import triton_interpreting
+
+FP8_MAX = 448.0
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def fp8_round_flag() -> bool:
+    """Kernels must round onto the e4m3 grid themselves before the fp8 cast.
+
+    Triton's CPU interpreter (3.9) converts fp32 -> e4m3 by truncating and loses the carry
+    into the exponent (124.1 -> 64, not 128); GPUs convert with round-to-nearest-even in one
+    instruction, so the explicit rounding is compiled in only under the interpreter.
+    """
+    return triton_interpreting()
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[bool, Optional[str]]:
+    """(UPCAST, PREC): see :func:`atom.ops.attention_triton.dot_flags` (kept local so MoE does
+    not import the attention module)."""
+    upcast = triton_interpreting() and dtype == torch.bfloat16
+    if dtype != torch.float32:
+        return upcast, None
+    return upcast, ("ieee" if getattr(torch.version, "hip", None) else "tf32x3")
+
+
+@triton.jit
+def to_fp8(y, ROUND: tl.constexpr):
+    """fp32 ``y`` within +-448 -> float8e4nv, round to nearest even."""
+    if ROUND:
+        bits = y.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) - 127
+        # spacing of e4m3 values around |y|: 3 mantissa bits, subnormal below 2^-6
+        ulp = ((tl.maximum(exp - 3, -9) + 127) << 23).to(tl.float32, bitcast=True)
+        a = tl.abs(y) / ulp  # exact (power-of-two divisor), < 16
+        a = (a + 8388608.0) - 8388608.0  # fp32 add rounds to an integer, ties to even
+        y = tl.where(y < 0, -(a * ulp), a * ulp)
+    return y.to(tl.float8e4nv)
+
+
+# --------------------------------------------------------------------------------------------
+# routing
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_tokens, num_experts,
+                         stride_lt, stride_wt, stride_it,
+                         TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_K)
+    tmask = offs_t < num_tokens
+    emask = offs_e < num_experts
+    x = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :],
+                mask=tmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+    x = tl.where(emask[None, :], x, float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    sel = tl.where(emask[None, :], p, -1.0)
+    w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for k in tl.static_range(TOPK):
+        best = tl.max(sel, axis=1)
+        # lowest expert index among equal maxima: deterministic tie-break
+        idx = tl.min(tl.where(sel == best[:, None], offs_e[None, :], BLOCK_E), axis=1)
+        w = tl.where(offs_k[None, :] == k, best[:, None], w)
+        ids = tl.where(offs_k[None, :] == k, idx[:, None], ids)
+        sel = tl.where(offs_e[None, :] == idx[:, None], -2.0, sel)
+    if RENORM:
+        w = w / tl.sum(w, axis=1)[:, None]
+    kmask = tmask[:, None] & (offs_k[None, :] < TOPK)
+    tl.store(w_ptr + offs_t[:, None].to(tl.int64) * stride_wt + offs_k[None, :], w, mask=kmask)
+    tl.store(ids_ptr + offs_t[:, None].to(tl.int64) * stride_it + offs_k[None, :], ids, mask=kmask)
+
+
+@triton.jit
+def _grouped_topk_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, scaling,
+                                 stride_lt, stride_wt, stride_it,
+                                 TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 NUM_EXPERTS: tl.constexpr, GROUPS: tl.constexpr,
+                                 GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                                 BLOCK_T: tl.constexpr, RENORM: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, NUM_EXPERTS)
+    offs_k = tl.arange(0, BLOCK_K)
+    tmask = offs_t < num_tokens
+    x = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :],
+                mask=tmask[:, None], other=0.0).to(tl.float32)
+    score = tl.sigmoid(x)
+    choice = score + tl.load(bias_ptr + offs_e).to(tl.float32)[None, :]
+
+    # group score = sum of the two best (score + bias) of the group
+    g = tl.reshape(choice, (BLOCK_T, GROUPS, GROUP_SIZE))
+    j = tl.arange(0, GROUP_SIZE)[None, None, :]
+    top1 = tl.max(g, axis=2)
+    first = tl.min(tl.where(g == top1[:, :, None], j, GROUP_SIZE), axis=2)
+    top2 = tl.max(tl.where(j == first[:, :, None], float("-inf"), g), axis=2)
+    gscore = top1 + top2
+    offs_g = tl.arange(0, GROUPS)
+    gsel = tl.zeros([BLOCK_T, GROUPS], dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUPS):
+        best = tl.max(gscore, axis=1)
+        gi = tl.min(tl.where(gscore == best[:, None], offs_g[None, :], GROUPS), axis=1)
+        hit = offs_g[None, :] == gi[:, None]
+        gsel = tl.where(hit, 1, gsel)
+        gscore = tl.where(hit, float("-inf"), gscore)
+    allowed = tl.reshape(tl.broadcast_to(gsel[:, :, None], (BLOCK_T, GROUPS, GROUP_SIZE)),
+                         (BLOCK_T, NUM_EXPERTS))
+    sel = tl.where(allowed != 0, choice, float("-inf"))
+
+    w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for k in tl.static_range(TOPK):
+        best = tl.max(sel, axis=1)
+        idx = tl.min(tl.where(sel == best[:, None], offs_e[None, :], NUM_EXPERTS), axis=1)
+        hit = offs_e[None, :] == idx[:, None]
+        wk = tl.sum(tl.where(hit, score, 0.0), axis=1)  # weight: the score without bias
+        w = tl.where(offs_k[None, :] == k, wk[:, None], w)
+        ids = tl.where(offs_k[None, :] == k, idx[:, None], ids)
+        sel = tl.where(hit, float("-inf"), sel)
+    if RENORM:
+        w = w / tl.sum(w, axis=1)[:, None]
+    w = w * scaling
+    kmask = tmask[:, None] & (offs_k[None, :] < TOPK)
+    tl.store(w_ptr + offs_t[:, None].to(tl.int64) * stride_wt + offs_k[None, :], w, mask=kmask)
+    tl.store(ids_ptr + offs_t[:, None].to(tl.int64) * stride_it + offs_k[None, :], ids, mask=kmask)
+
+
+def _routing_block_t(num_experts: int) -> int:
+    # about 4K logits per program
+    return max(1, min(64, 4096 // next_pow2(num_experts)))
+
+
+def topk_softmax_fwd(router_logits: torch.Tensor, top_k: int,
+                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`atom.ops.moe.topk_softmax`."""
+    num_tokens, num_experts = router_logits.shape
+    w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens == 0:
+        return w, ids
+    block_t = _routing_block_t(num_experts)
+    _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
+        router_logits, w, ids, num_tokens, num_experts,
+        router_logits.stride(0), w.stride(0), ids.stride(0),
+        TOPK=top_k, BLOCK_K=next_pow2(top_k), BLOCK_T=block_t, BLOCK_E=next_pow2(num_experts),
+        RENORM=bool(renormalize), num_warps=4,
+    )
+    return w, ids
+
+
+def grouped_topk_sigmoid_fwd(router_logits: torch.Tensor, correction_bias: torch.Tensor,
+                             top_k: int, num_groups: int, topk_groups: int,
+                             routed_scaling_factor: float,
+                             renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`atom.ops.moe.grouped_topk_sigmoid`."""
+    num_tokens, num_experts = router_logits.shape
+    w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens == 0:
+        return w, ids
+    block_t = _routing_block_t(num_experts)
+    _grouped_topk_sigmoid_kernel[(triton.cdiv(num_tokens, block_t),)](
+        router_logits, correction_bias, w, ids, num_tokens, float(routed_scaling_factor),
+        router_logits.stride(0), w.stride(0), ids.stride(0),
+        TOPK=top_k, BLOCK_K=next_pow2(top_k), NUM_EXPERTS=num_experts, GROUPS=num_groups,
+        GROUP_SIZE=num_experts // num_groups, TOPK_GROUPS=topk_groups, BLOCK_T=block_t,
+        RENORM=bool(renormalize), num_warps=4,
+    )
+    return w, ids
+
+
+# --------------------------------------------------------------------------------------------
+# fused MoE
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
+                      num_local, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                      CHUNK: tl.constexpr, HAS_MAP: tl.constexpr):
+    e = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    offs_e = tl.arange(0, BLOCK_E)
+    # pass 1: counts of every local expert (bin num_local collects dropped pairs)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        i = c0 + offs
+        valid = i < num_pairs
+        loc = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
+        if HAS_MAP:
+            loc = tl.load(map_ptr + loc, mask=valid & (loc >= 0), other=-1).to(tl.int32)
+        loc = tl.where(valid & (loc >= 0), loc, num_local)
+        counts += tl.histogram(loc, BLOCK_E)
+    counts = tl.where(offs_e < num_local, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.cumsum(padded, axis=0) - padded
+    mine = offs_e == e
+    my_start = tl.sum(tl.where(mine, start, 0), axis=0)
+    my_count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    my_padded = tl.sum(tl.where(mine, padded, 0), axis=0)
+    if e == 0:
+        tl.store(num_post_ptr, tl.sum(padded, axis=0))
+    for b0 in range(my_start, my_start + my_padded, BLOCK_M):
+        tl.store(expert_ids_ptr + b0 // BLOCK_M, e)
+    # pass 2: my pairs, in pair order, at my_start + rank
+    seen = my_count * 0  # an int32 tensor: loop-carried values keep one type
+    for c0 in range(0, num_pairs, CHUNK):
+        i = c0 + offs
+        valid = i < num_pairs
+        loc = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
+        if HAS_MAP:
+            loc = tl.load(map_ptr + loc, mask=valid & (loc >= 0), other=-1).to(tl.int32)
+        me = (valid & (loc == e)).to(tl.int32)
+        rank = tl.cumsum(me, axis=0) - me + seen
+        tl.store(sorted_ptr + my_start + rank, i, mask=me != 0)
+        seen += tl.sum(me, axis=0)
+    # padding entries point past the last pair (rows the GEMMs mask out)
+    for p0 in range(my_count, my_padded, CHUNK):
+        p = p0 + offs
+        tl.store(sorted_ptr + my_start + p, num_pairs + tl.zeros([CHUNK], dtype=tl.int32),
+                 mask=p < my_padded)
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, num_rows, num_cols, stride_xt, stride_qt, stride_st,
+                        GROUP: tl.constexpr, BLOCK_R: tl.constexpr, ROUND: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, GROUP)
+    mask = (rows < num_rows)[:, None] & (offs < num_cols)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_xt + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+    q = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
+    tl.store(q_ptr + r64 * stride_qt + offs[None, :], to_fp8(q, ROUND), mask=mask)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_st + g, s, mask=rows < num_rows)
+
+
+@triton.jit
+def _pid_to_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row blocks share their weight tiles while hot in L2."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _moe_gemm1_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
+    sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, hidden, inter, num_pid_m,
+    stride_at, stride_ast, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+    stride_ot, stride_ost,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr, QUANT_OUT: tl.constexpr,
+    ROUND: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(inter, BLOCK_N)
+    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    valid = pair < num_pairs
+    tok = (pair // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + tok[:, None] * stride_at + offs_k[None, :]
+    wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    wu_ptrs = wg_ptrs + inter * stride_wn
+    if FP8:
+        as_ptrs = a_scale_ptr + tok * stride_ast
+        sg_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // SCALE_BN) * stride_wsn
+        su_ptrs = w_scale_ptr + expert * stride_wse + ((offs_n + inter) // SCALE_BN) * stride_wsn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        kmask = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        bg = tl.load(wg_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        bu = tl.load(wu_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+        if FP8:
+            kb = k0 // BLOCK_K  # BLOCK_K == block_k: one weight/activation scale per K step
+            a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
+            s_g = tl.load(sg_ptrs + kb * stride_wsk, mask=nmask, other=0.0)
+            s_u = tl.load(su_ptrs + kb * stride_wsk, mask=nmask, other=0.0)
+            acc_g += tl.dot(a, bg) * (a_s[:, None] * s_g[None, :])
+            acc_u += tl.dot(a, bu) * (a_s[:, None] * s_u[None, :])
+        else:
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+    if QUANT_OUT:
+        # this tile is exactly one activation group of the second GEMM: quantise it here
+        s = tl.maximum(tl.max(tl.abs(tl.where(nmask[None, :], h, 0.0)), axis=1), 1e-10) / 448.0
+        q = tl.minimum(tl.maximum(h / s[:, None], -448.0), 448.0)
+        tl.store(o_ptrs, to_fp8(q, ROUND), mask=nmask[None, :])
+        tl.store(out_scale_ptr + offs_m.to(tl.int64) * stride_ost + pid_n, s)
+    else:
+        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=nmask[None, :])
+
+
+@triton.jit
+def _moe_gemm2_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr,
+    sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, inter, hidden, num_pid_m,
+    stride_at, stride_ast, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    valid = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    # the intermediate rows are in sorted order already: a contiguous [BLOCK_M, inter] slab
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_at + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    if FP8:
+        as_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_ast
+        s_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // SCALE_BN) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        kmask = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8:
+            kb = k0 // BLOCK_K
+            a_s = tl.load(as_ptrs + kb)
+            b_s = tl.load(s_ptrs + kb * stride_wsk, mask=nmask, other=0.0)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(topk_w_ptr + pair, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(src_ptr, ids_ptr, map_ptr, out_ptr, hidden, stride_st, stride_ot,
+                    TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_MAP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        pair = t * TOPK + j
+        m = mask
+        if HAS_MAP:
+            g = tl.load(ids_ptr + pair)
+            loc = tl.load(map_ptr + g, mask=g >= 0, other=-1)
+            m = m & ((offs * 0 + loc) >= 0)  # broadcast the scalar test to a vector mask
+        acc += tl.load(src_ptr + pair * stride_st + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles and launch options of the two grouped GEMMs (BLOCK_N1 spans the inter dim, per
+    half of ``w13``)."""
+
+    block_m: int
+    block_n1: int
+    block_n2: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def moe_config(num_tokens: int, top_k: int, num_experts: int, block_k_quant: Optional[int],
+               dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
+    """Tile choice by tokens per expert (H100-shaped; tiny under the interpreter).
+
+    GEMM1 computes the gate and up halves in one program, so its BLOCK_N is half the width a
+    plain GEMM over ``2 * inter`` columns would use. With fp8 block scales BLOCK_K is the
+    quantisation block, and BLOCK_N1 equals it at larger batches so GEMM1 can quantise its own
+    output; at small batches a narrower BLOCK_N1 gives more programs (weight-bandwidth bound)
+    and a separate quantisation pass follows.
+    """
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    if triton_interpreting():
+        if block_k_quant:
+            return MoeConfig(16, block_k_quant, 32, block_k_quant, 1, 4, 1)
+        return MoeConfig(16, 16, 32, 32, 2, 4, 1)
+    if dtype == torch.float32 and not block_k_quant:
+        return MoeConfig(16, 32, 32, 32, 1, 4, 2)  # the exact-check path: fp32 tiles, 3xTF32
+    if block_k_quant:
+        bk = block_k_quant
+        if per_expert <= 16:
+            return MoeConfig(16, 64, 128, bk, 1, 4, 3)
+        # BLOCK_N1 = block_k: two fp32 accumulators of that width need 8 warps to stay in
+        # registers (4 warps spill at BLOCK_M >= 32, ptxas sm_90)
+        if per_expert <= 64:
+            return MoeConfig(32, bk, 128, bk, 8, 8, 3)
+        return MoeConfig(64, bk, 128, bk, 8, 8, 4)
+    if per_expert <= 4:
+        return MoeConfig(16, 32, 64, 128, 1, 4, 4)
+    if per_expert <= 16:
+        return MoeConfig(16, 64, 128, 128, 1, 4, 3)
+    if per_expert <= 64:
+        return MoeConfig(32, 64, 128, 64, 8, 4, 4)
+    if per_expert <= 128:
+        return MoeConfig(64, 64, 128, 64, 8, 4, 4)
+    return MoeConfig(128, 64, 128, 64, 8, 8, 4)
+
+
+def group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(row, group of ``group`` columns) fp8 e4m3 quantisation: (q, scales [rows, groups])."""
+    rows, cols = x.shape
+    groups = triton.cdiv(cols, group)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows:
+        block_r = max(1, min(16, 2048 // group))  # ~2K elements per program
+        _group_quant_kernel[(triton.cdiv(rows, block_r), groups)](
+            x, q, s, rows, cols, x.stride(0), q.stride(0), s.stride(0),
+            GROUP=group, BLOCK_R=block_r, ROUND=fp8_round_flag(), num_warps=4)
+    return q, s
+
+
+def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                  expert_map: Optional[torch.Tensor] = None,
+                  w13_scale: Optional[torch.Tensor] = None,
+                  w2_scale: Optional[torch.Tensor] = None,
+                  block_shape: Optional[list] = None,
+                  out: Optional[torch.Tensor] = None,
+                  config: Optional[MoeConfig] = None) -> torch.Tensor:
+    """Triton :func:`atom.ops.moe.fused_moe`; ``config`` overrides the tile choice."""
+    num_tokens, hidden = x.shape
+    num_local, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    fp8 = block_shape is not None
+    scale_bn, scale_bk = (int(block_shape[0]), int(block_shape[1])) if fp8 else (1, 1)
+    cfg = config or moe_config(num_tokens, top_k, num_local, scale_bk if fp8 else None, x.dtype)
+    bm = cfg.block_m
+    upcast, prec = dot_flags(x.dtype)
+    dev = x.device
+
+    # 1. sort pairs by expert, blocks of bm rows
+    max_padded = (triton.cdiv(num_pairs, bm) + min(num_local, num_pairs)) * bm
+    num_pid_m = max_padded // bm
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_pid_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    ids_flat = topk_ids.reshape(-1)
+    if not ids_flat.is_contiguous():
+        ids_flat = ids_flat.contiguous()
+    _moe_align_kernel[(num_local,)](
+        ids_flat, expert_map if expert_map is not None else ids_flat, sorted_ids, expert_ids,
+        num_post, num_pairs, num_local,
+        BLOCK_M=bm, BLOCK_E=next_pow2(num_local + 1), CHUNK=min(1024, max(16, next_pow2(num_pairs))),
+        HAS_MAP=expert_map is not None, num_warps=4,
+    )
+
+    # 2. activations (fp8: per token-group quantisation)
+    if fp8:
+        a1, a1_s = group_quant_fp8(x, scale_bk)
+        w13_s = w13_scale
+        ws1 = (w13_s.stride(0), w13_s.stride(1), w13_s.stride(2))
+    else:
+        a1, a1_s, w13_s, ws1 = x, x, x, (0, 0, 0)
+
+    # 3. gate/up GEMM + silu-and-mul (+ fp8 quantisation of its output)
+    quant_in_gemm1 = fp8 and cfg.block_n1 == scale_bk
+    if quant_in_gemm1:
+        inter_buf = torch.empty(max_padded, inter, dtype=torch.float8_e4m3fn, device=dev)
+        inter_s = torch.empty(max_padded, triton.cdiv(inter, scale_bk), dtype=torch.float32, device=dev)
+    elif fp8:
+        inter_buf = torch.empty(max_padded, inter, dtype=torch.float32, device=dev)
+        inter_s = inter_buf
+    else:
+        inter_buf = torch.empty(max_padded, inter, dtype=x.dtype, device=dev)
+        inter_s = inter_buf
+    grid1 = (num_pid_m * triton.cdiv(inter, cfg.block_n1),)
+    _moe_gemm1_kernel[grid1](
+        a1, a1_s, w13, w13_s, inter_buf, inter_s, sorted_ids, expert_ids, num_post, num_pairs,
+        hidden, inter, num_pid_m,
+        a1.stride(0), a1_s.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1), *ws1,
+        inter_buf.stride(0), inter_s.stride(0) if quant_in_gemm1 else 0,
+        TOPK=top_k, BLOCK_M=bm, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        FP8=fp8, SCALE_BN=scale_bn, QUANT_OUT=quant_in_gemm1, ROUND=fp8_round_flag(),
+        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if fp8 and not quant_in_gemm1:
+        inter_buf, inter_s = group_quant_fp8(inter_buf, scale_bk)
+
+    # 4. down GEMM, routing weight in the epilogue, one row per pair
+    direct = top_k == 1 and expert_map is None
+    dst = out if direct else torch.empty(num_pairs, hidden, dtype=x.dtype, device=dev)
+    if fp8:
+        ws2 = (w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2))
+        w2_s = w2_scale
+    else:
+        ws2, w2_s = (0, 0, 0), x
+    tw = topk_weights.reshape(-1)
+    if tw.dtype != torch.float32 or not tw.is_contiguous():
+        tw = tw.float().contiguous()
+    grid2 = (num_pid_m * triton.cdiv(hidden, cfg.block_n2),)
+    _moe_gemm2_kernel[grid2](
+        inter_buf, inter_s, w2, w2_s, dst, tw, sorted_ids, expert_ids, num_post, num_pairs,
+        inter, hidden, num_pid_m,
+        inter_buf.stride(0), inter_s.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1), *ws2,
+        dst.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=fp8,
+        SCALE_BN=scale_bn, UPCAST=upcast, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    # 5. sum the top_k rows of each token
+    if not direct:
+        block_h = min(1024, next_pow2(hidden))
+        _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+            dst, ids_flat, expert_map if expert_map is not None else ids_flat, out, hidden,
+            dst.stride(0), out.stride(0), TOPK=top_k, BLOCK_H=block_h,
+            HAS_MAP=expert_map is not None, num_warps=4,
+        )
+    return out

@@ -1,0 +1,485 @@
+#!/usr/bin/env python
+"""Benchmark atom's compute ops on one GPU: paged decode/prefill attention, MLA decode, fused MoE.
+
+For every case it times atom's Triton kernel, the torch reference, and vLLM's kernel for the
+same work when ``import vllm`` works (FlashAttention with a block table, the Triton MLA decode
+kernel, ``fused_experts``), checks atom's output against the reference, and prints one table
+with bytes moved / FLOPs and the fraction of the roofline measured in the same run (device
+copy bandwidth for memory-bound cases, a large bf16 ``torch.matmul`` for compute-bound ones).
+
+GPU times are per call with a cold L2 (a 256 MiB buffer is rewritten before every call) and
+without launch overhead (N calls captured in a CUDA graph, minus the flushes alone); callables
+that cannot be captured (the torch references synchronise with the host) are timed eagerly
+with CUDA events.
+
+    python bench/ops_compute.py                     # all cases (H100: a few minutes)
+    python bench/ops_compute.py --ops decode,moe --json out.json
+    python bench/ops_compute.py --dry-run           # tiny shapes on CPU (Triton interpreter)
+
+Cases: paged decode (Qwen3-8B: 32 q / 8 kv heads, D=128, block 16; batch 1/32/128 x context
+2k/8k), prefill (one 4096-token causal sequence, same dims), MLA decode (128 heads, 512+64
+latent, batch 32/128 x context 2k/8k), fused MoE (Qwen3-30B-A3B: 128 experts, top-8, hidden
+2048, inter 768; batch 1..256 and 4096). vLLM imports are all guarded: a missing vLLM or
+kernel leaves its column empty with the reason in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+OPS = ("decode", "prefill", "mla", "moe")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Time atom's Triton compute kernels against the torch reference and vLLM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ops", default=",".join(OPS),
+                   help=f"comma-separated subset of {', '.join(OPS)}")
+    p.add_argument("--json", metavar="PATH", help="also write the results (and peaks) as JSON")
+    p.add_argument("--iters", type=int, default=20, help="calls per timing sample (graph mode)")
+    p.add_argument("--no-torch", action="store_true", help="skip timing the torch references "
+                   "(they are still run once for the correctness check unless --no-check)")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    p.add_argument("--no-vllm", action="store_true", help="do not try vLLM's kernels")
+    p.add_argument("--eager", action="store_true", help="time eagerly (no CUDA graphs)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny shapes on CPU under TRITON_INTERPRET=1: checks the script, not speed")
+    return p.parse_args(argv)
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+class Timer:
+    """Per-call GPU time in microseconds (see module doc), or wall time on CPU."""
+
+    def __init__(self, torch, device, iters: int, use_graphs: bool):
+        self.torch, self.device, self.iters, self.use_graphs = torch, device, iters, use_graphs
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+    def _flush(self) -> None:
+        self.flush_buf.zero_()
+
+    def _events(self):
+        return (self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True))
+
+    def _graph_us(self, fn: Callable[[], Any]) -> float:
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (allocator, autotuning)
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        work, flush_only = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(work):
+            for _ in range(self.iters):
+                self._flush()
+                fn()
+        with torch.cuda.graph(flush_only):
+            for _ in range(self.iters):
+                self._flush()
+
+        def replay(graph) -> float:
+            samples = []
+            for _ in range(5):
+                start, end = self._events()
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end))
+            return statistics.median(samples)
+
+        replay(work)
+        total, flush = replay(work), replay(flush_only)
+        return max(total - flush, 0.0) * 1e3 / self.iters
+
+    def _eager_us(self, fn: Callable[[], Any], reps: int) -> float:
+        torch = self.torch
+        fn()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(reps):
+            self._flush()
+            start, end = self._events()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        return statistics.median(samples) * 1e3
+
+    def __call__(self, fn: Callable[[], Any], graph: bool = True, reps: int = 10) -> float:
+        if not self.cuda:
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+        if graph and self.use_graphs:
+            try:
+                return self._graph_us(fn)
+            except Exception:  # not capturable (host sync inside): fall back to events
+                self.torch.cuda.synchronize()
+        return self._eager_us(fn, reps)
+
+
+def measure_peaks(torch, device, timer: Timer, dry: bool) -> dict:
+    """Device copy bandwidth (read + write bytes / time) and dense bf16 matmul rate."""
+    n = (1 << 20) if dry else (1 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    copy_us = timer(lambda: dst.copy_(src))
+    m = 256 if dry else 8192
+    dt = torch.float32 if dry else torch.bfloat16
+    a = torch.randn(m, m, device=device, dtype=dt)
+    b = torch.randn(m, m, device=device, dtype=dt)
+    mm_us = timer(lambda: torch.matmul(a, b))
+    del src, dst, a, b
+    return dict(copy_GBps=2 * n / copy_us / 1e3, matmul_TFLOPs=2 * m ** 3 / mm_us / 1e6)
+
+
+# -- results -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    bytes: float  # minimal HBM traffic of the op
+    flops: float
+    bound: str  # "memory" or "compute": which roofline the fraction uses
+    atom_us: Optional[float] = None
+    torch_us: Optional[float] = None
+    vllm_us: Optional[float] = None
+    max_err: Optional[float] = None
+    notes: dict = field(default_factory=dict)
+
+    def derived(self, peaks: dict) -> dict:
+        d: dict = {}
+        if self.atom_us:
+            d["atom_GBps"] = self.bytes / self.atom_us / 1e3
+            d["atom_TFLOPs"] = self.flops / self.atom_us / 1e6
+            if self.bound == "memory":
+                d["roofline_frac"] = d["atom_GBps"] / peaks["copy_GBps"]
+            else:
+                d["roofline_frac"] = d["atom_TFLOPs"] / peaks["matmul_TFLOPs"]
+            if self.vllm_us:
+                d["speedup_vs_vllm"] = self.vllm_us / self.atom_us
+            if self.torch_us:
+                d["speedup_vs_torch"] = self.torch_us / self.atom_us
+        return d
+
+
+def fmt(v: Optional[float], spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows: list[Row], peaks: dict, device_name: str) -> None:
+    print(f"\n{device_name}: copy {peaks['copy_GBps']:.0f} GB/s, bf16 matmul "
+          f"{peaks['matmul_TFLOPs']:.0f} TFLOP/s (measured)\n")
+    head = ["op", "case", "atom us", "torch us", "vllm us", "x vllm", "MB", "GFLOP", "GB/s",
+            "TFLOP/s", "roofline", "max err"]
+    table = [head]
+    for r in rows:
+        d = r.derived(peaks)
+        table.append([
+            r.op, r.case, fmt(r.atom_us), fmt(r.torch_us), fmt(r.vllm_us),
+            fmt(d.get("speedup_vs_vllm"), ".2f"), fmt(r.bytes / 1e6, ".1f"),
+            fmt(r.flops / 1e9, ".2f"), fmt(d.get("atom_GBps"), ".0f"), fmt(d.get("atom_TFLOPs"), ".1f"),
+            (f"{d['roofline_frac']:.0%} {r.bound[:3]}" if "roofline_frac" in d else "-"),
+            fmt(r.max_err, ".1e"),
+        ])
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for k, row in enumerate(table):
+        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+    notes = [(r.op, r.case, r.notes["vllm"]) for r in rows if "vllm" in r.notes]
+    if notes:
+        print("\nvLLM not timed:")
+        for op, case, why in dict.fromkeys(notes):
+            print(f"  {op} {case}: {why}")
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _err(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        import torch
+
+        self.torch = torch
+        self.args = args
+        self.dry = args.dry_run
+        self.device = torch.device("cpu" if self.dry else "cuda")
+        self.dtype = torch.float32 if self.dry else torch.bfloat16
+        self.timer = Timer(torch, self.device, 2 if self.dry else args.iters, not args.eager)
+        self.rows: list[Row] = []
+        self.vllm_ok = False
+        if not args.no_vllm:
+            try:
+                import vllm  # noqa: F401
+
+                self.vllm_ok = True
+            except Exception as e:  # any import failure means "no vLLM column"
+                self.vllm_missing = f"import vllm failed: {type(e).__name__}: {e}"
+        else:
+            self.vllm_missing = "--no-vllm"
+
+    def run_case(self, row: Row, atom_fn, torch_fn, vllm_fn_factory=None, compare=None) -> None:
+        """Time atom / torch / vLLM; ``compare(atom_out, torch_out)`` -> max error."""
+        a = self.args
+        out_atom = atom_fn()
+        if not a.no_check and torch_fn is not None:
+            ref = torch_fn()
+            row.max_err = compare(out_atom, ref) if compare else _err(out_atom, ref)
+        row.atom_us = self.timer(atom_fn)
+        if not a.no_torch and torch_fn is not None:
+            row.torch_us = self.timer(torch_fn, graph=False, reps=3)
+        if vllm_fn_factory is not None:
+            if not self.vllm_ok:
+                row.notes["vllm"] = self.vllm_missing
+            else:
+                try:
+                    fn = vllm_fn_factory()
+                    fn()
+                    row.vllm_us = self.timer(fn)
+                except Exception as e:
+                    row.notes["vllm"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        self.rows.append(row)
+        print(f"  {row.op:8s} {row.case:28s} atom {fmt(row.atom_us)} us"
+              f"  torch {fmt(row.torch_us)} us  vllm {fmt(row.vllm_us)} us  err {fmt(row.max_err, '.1e')}",
+              flush=True)
+
+    # -- paged attention -------------------------------------------------------------------
+
+    def _paged(self, batch: int, ctx: int, q_len: int, hq: int, hkv: int, d: int, bs: int):
+        torch = self.torch
+        blocks = -(-ctx // bs)
+        nb = batch * blocks + 1
+        kv = torch.randn(2, nb, bs, hkv, d, device=self.device, dtype=self.dtype)
+        table = torch.randperm(nb - 1, device=self.device)[: batch * blocks].view(batch, blocks).int()
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
+        q = torch.randn(batch * q_len, hq, d, device=self.device, dtype=self.dtype)
+        qsl = torch.arange(0, batch + 1, dtype=torch.int32, device=self.device) * q_len
+        return q, kv[0], kv[1], table, seq_lens, qsl
+
+    def _vllm_fa(self, q, kc, vc, table, seq_lens, qsl, q_len, ctx, scale, out):
+        def make():
+            from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+            kwargs = {}
+            version = _vllm_fa_version(q.shape[-1])
+            if version is not None:
+                kwargs["fa_version"] = version
+            return lambda: flash_attn_varlen_func(
+                q=q, k=kc, v=vc, max_seqlen_q=q_len, cu_seqlens_q=qsl, max_seqlen_k=ctx,
+                seqused_k=seq_lens, softmax_scale=scale, causal=True, block_table=table, out=out,
+                **kwargs)
+        return make
+
+    def decode(self) -> None:
+        from atom.ops.attention import paged_attention
+
+        hq, hkv, d, bs = 32, 8, 128, 16
+        cases = [(2, 64)] if self.dry else [(b, c) for c in (2048, 8192) for b in (1, 32, 128)]
+        el = self.torch.finfo(self.dtype).bits // 8
+        for batch, ctx in cases:
+            q, kc, vc, table, sl, qsl = self._paged(batch, ctx, 1, hq, hkv, d, bs)
+            scale = d ** -0.5
+            args = (q, kc, vc, table, sl, qsl, 1, ctx, scale)
+            out = self.torch.empty_like(q)
+            out_v = self.torch.empty_like(q)
+            row = Row("decode", f"b={batch} ctx={ctx}",
+                      bytes=batch * ctx * hkv * d * 2 * el + 2 * q.numel() * el,
+                      flops=4.0 * batch * ctx * hq * d, bound="memory")
+            self.run_case(row, lambda: paged_attention.run("triton", *args, out=out),
+                          lambda: paged_attention.run("torch", *args),
+                          self._vllm_fa(q, kc, vc, table, sl, qsl, 1, ctx, scale, out_v))
+            del q, kc, vc, table
+
+    def prefill(self) -> None:
+        from atom.ops.attention import paged_attention
+
+        hq, hkv, d, bs = 32, 8, 128, 16
+        t = 64 if self.dry else 4096
+        q, kc, vc, table, sl, qsl = self._paged(1, t, t, hq, hkv, d, bs)
+        scale = d ** -0.5
+        args = (q, kc, vc, table, sl, qsl, t, t, scale)
+        out = self.torch.empty_like(q)
+        out_v = self.torch.empty_like(q)
+        el = self.torch.finfo(self.dtype).bits // 8
+        row = Row("prefill", f"T={t} causal",
+                  bytes=(q.numel() * 2 + 2 * t * hkv * d) * el,
+                  flops=4.0 * hq * d * t * (t + 1) / 2, bound="compute")
+        self.run_case(row, lambda: paged_attention.run("triton", *args, out=out),
+                      lambda: paged_attention.run("torch", *args),
+                      self._vllm_fa(q, kc, vc, table, sl, qsl, t, t, scale, out_v))
+
+    # -- MLA -------------------------------------------------------------------------------
+
+    def mla(self) -> None:
+        from atom.ops.mla import mla_decode
+
+        torch = self.torch
+        heads, rank, rope, bs = (16, 64, 16, 16) if self.dry else (128, 512, 64, 16)
+        cases = [(2, 64)] if self.dry else [(b, c) for c in (2048, 8192) for b in (32, 128)]
+        el = torch.finfo(self.dtype).bits // 8
+        for batch, ctx in cases:
+            blocks = -(-ctx // bs)
+            nb = batch * blocks + 1
+            cache = torch.randn(nb, bs, rank + rope, device=self.device, dtype=self.dtype)
+            table = torch.randperm(nb - 1, device=self.device)[: batch * blocks].view(batch, blocks).int()
+            sl = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
+            qn = torch.randn(batch, heads, rank, device=self.device, dtype=self.dtype)
+            qp = torch.randn(batch, heads, rope, device=self.device, dtype=self.dtype)
+            scale = (rank + rope) ** -0.5
+            out = torch.empty_like(qn)
+            args = (qn, qp, cache, table, sl, scale)
+            row = Row("mla", f"b={batch} ctx={ctx}",
+                      bytes=(batch * ctx * (rank + rope) + batch * heads * (2 * rank + rope)) * el,
+                      flops=2.0 * batch * heads * ctx * (2 * rank + rope), bound="memory")
+            self.run_case(row, lambda: mla_decode.run("triton", *args, max_seq_len=ctx, out=out),
+                          lambda: mla_decode.run("torch", *args),
+                          self._vllm_mla(qn, qp, cache, table, sl, ctx, scale))
+            del cache
+
+    def _vllm_mla(self, qn, qp, cache, table, sl, ctx, scale):
+        def make():
+            import inspect
+
+            torch = self.torch
+            try:
+                from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+            except ImportError:
+                from vllm.attention.ops.triton_decode_attention import decode_attention_fwd
+            import triton
+
+            batch, heads, rank = qn.shape
+            q = torch.cat([qn, qp], -1)
+            kv = cache.unsqueeze(2)  # [blocks, bs, 1, rank + rope]
+            v = kv[..., :rank]
+            o = torch.empty(batch, heads, rank, dtype=q.dtype, device=q.device)
+            # vLLM TritonMLAImpl's split rule: next_pow2(max_seq_len // 512), capped at 2 x SMs
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            splits = min(triton.next_power_of_2(max(1, ctx // 512)), 2 * sms)
+            logits = torch.empty(batch, heads, splits, rank + 1, dtype=torch.float32, device=q.device)
+            params = inspect.signature(decode_attention_fwd).parameters
+            page = cache.shape[1]
+            if "lse" in params:
+                lse = torch.empty(batch, heads, dtype=q.dtype, device=q.device)
+                extra = {"is_mla": True} if "is_mla" in params else {}
+                return lambda: decode_attention_fwd(q, kv, v, o, lse, table, sl, logits, splits,
+                                                    scale, page, **extra)
+            return lambda: decode_attention_fwd(q, kv, v, o, table, sl, logits, splits, scale, page)
+        return make
+
+    # -- MoE -------------------------------------------------------------------------------
+
+    def moe(self) -> None:
+        from atom.ops.moe import fused_moe, topk_softmax
+
+        torch = self.torch
+        experts, top_k, hidden, inter = (16, 4, 64, 32) if self.dry else (128, 8, 2048, 768)
+        batches = [1, 8] if self.dry else [1, 2, 4, 8, 16, 32, 64, 128, 256, 4096]
+        el = torch.finfo(self.dtype).bits // 8
+        w13 = torch.randn(experts, 2 * inter, hidden, device=self.device, dtype=self.dtype) / hidden ** 0.5
+        w2 = torch.randn(experts, hidden, inter, device=self.device, dtype=self.dtype) / inter ** 0.5
+        for t in batches:
+            x = torch.randn(t, hidden, device=self.device, dtype=self.dtype)
+            logits = torch.randn(t, experts, device=self.device, dtype=torch.float32)
+            tw, ti = topk_softmax(logits, top_k, True)
+            used = int(torch.unique(ti).numel())
+            out = torch.empty_like(x)
+            row = Row("moe", f"T={t} E={experts} k={top_k}",
+                      bytes=(used * 3 * hidden * inter + 2 * t * hidden) * el,
+                      flops=6.0 * t * top_k * hidden * inter,
+                      bound="memory" if t * top_k / experts < 64 else "compute")
+            args = (x, w13, w2, tw, ti)
+            self.run_case(row, lambda: fused_moe.run("triton", *args, out=out),
+                          lambda: fused_moe.run("torch", *args),
+                          self._vllm_moe(*args))
+
+    def _vllm_moe(self, x, w13, w2, tw, ti):
+        def make():
+            from vllm.model_executor.layers.fused_moe import fused_experts
+
+            return lambda: fused_experts(x, w13, w2, tw, ti)
+        return make
+
+
+def _vllm_fa_version(head_size: int) -> Optional[int]:
+    """The FlashAttention version vLLM's own backend would pick (None: leave the default)."""
+    for mod in ("vllm.v1.attention.backends.fa_utils", "vllm.attention.utils.fa_utils"):
+        try:
+            get = getattr(__import__(mod, fromlist=["get_flash_attn_version"]), "get_flash_attn_version")
+        except Exception:
+            continue
+        for call in (lambda: get(head_size=head_size), lambda: get()):
+            try:
+                return call()
+            except TypeError:
+                continue
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        print(f"unknown --ops entries: {', '.join(unknown)} (choose from {', '.join(OPS)})", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    repo = Path(__file__).resolve().parent.parent
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("needs a CUDA GPU (use --dry-run to exercise the script on CPU)", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    bench = Bench(args)
+    device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
+    print(f"measuring peaks on {device_name} ...", flush=True)
+    peaks = measure_peaks(torch, bench.device, bench.timer, args.dry_run)
+    with torch.no_grad():  # (inference_mode tensors and CUDA-graph capture mix poorly)
+        for op in ops:
+            getattr(bench, op)()
+    print_table(bench.rows, peaks, device_name)
+    if args.json:
+        versions = {"torch": torch.__version__, "python": platform.python_version()}
+        for name in ("triton", "vllm"):
+            try:
+                versions[name] = __import__(name).__version__
+            except Exception:
+                versions[name] = None
+        doc = dict(device=device_name, peaks=peaks, versions=versions, args=vars(args),
+                   results=[{**asdict(r), **r.derived(peaks)} for r in bench.rows])
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
