@@ -1,0 +1,247 @@
+"""Tensor-parallel linear and embedding layers, and how checkpoint tensors land in them.
+
+Every layer owns only this rank's slice and knows how to cut it out of a full checkpoint tensor
+(``load_weight``), so the model loads straight from the host's weight iterator with no second
+read of the files:
+
+* :class:`ColumnParallelLinear`: output rows split across ranks, no communication. Several
+  logical matrices may be fused into one (q/k/v, gate/up); each is split on its own, so rank r
+  holds ``[q_r; k_r; v_r]``.
+* :class:`RowParallelLinear`: input columns split; partial products summed with the TP group's
+  all-reduce.
+* :class:`VocabParallelEmbedding` / :class:`ParallelLMHead`: vocabulary rows split in contiguous
+  blocks (each padded to a multiple of 64 rows, padding at the tail of the vocabulary only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.models.interfaces import ModelParallel
+
+VOCAB_PADDING = 64
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({parts})")
+    return total // parts
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _new_param(*shape: int, dtype: Optional[torch.dtype]) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class OutputSlice:
+    """Rows ``[src_start, src_start + size)`` of one logical checkpoint matrix go to rows
+    ``[dst_start, dst_start + size)`` of this rank's fused weight."""
+
+    src_start: int
+    dst_start: int
+    size: int
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W_r.T (+ b_r)`` where ``W_r`` is this rank's rows of one or more fused matrices.
+
+    ``slices`` maps a shard id (``None`` for an unfused layer, else e.g. ``"q"`` or ``0``) to
+    where that matrix's rows for this rank come from and go. Use :meth:`merged` or :meth:`qkv`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        local_output_size: int,
+        slices: Mapping[Optional[Hashable], OutputSlice],
+        bias: bool = False,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.local_output_size = local_output_size
+        self.slices = dict(slices)
+        self.weight = _new_param(local_output_size, input_size, dtype=dtype)
+        self.bias = _new_param(local_output_size, dtype=dtype) if bias else None
+
+    @classmethod
+    def merged(
+        cls,
+        input_size: int,
+        output_sizes: Sequence[int],
+        parallel: ModelParallel,
+        bias: bool = False,
+        dtype: Optional[torch.dtype] = None,
+    ) -> "ColumnParallelLinear":
+        """Matrices of ``output_sizes`` rows fused along the output (shard ids 0, 1, ...), each
+        split evenly; one size gives a plain column-parallel layer (shard id None as well)."""
+        slices: dict[Optional[Hashable], OutputSlice] = {}
+        dst = 0
+        for i, size in enumerate(output_sizes):
+            local = divide(size, parallel.tp_size, f"output size {i}")
+            slices[i] = OutputSlice(parallel.tp_rank * local, dst, local)
+            dst += local
+        if len(output_sizes) == 1:
+            slices[None] = slices[0]
+        return cls(input_size, dst, slices, bias=bias, dtype=dtype)
+
+    @classmethod
+    def qkv(
+        cls,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        parallel: ModelParallel,
+        bias: bool = False,
+        dtype: Optional[torch.dtype] = None,
+    ) -> "ColumnParallelLinear":
+        """Fused q/k/v (shard ids ``"q"``, ``"k"``, ``"v"``). Query heads are split across ranks;
+        KV heads too when there are at least as many as ranks, otherwise each KV head is
+        replicated on ``tp_size / num_kv_heads`` consecutive ranks (grouped-query attention:
+        rank r's query heads use exactly the KV head it holds)."""
+        tp, rank = parallel.tp_size, parallel.tp_rank
+        local_heads = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            local_kv = divide(num_kv_heads, tp, "num_key_value_heads")
+            kv_index = rank
+        else:
+            replicas = divide(tp, num_kv_heads, "tensor-parallel size over num_key_value_heads")
+            local_kv, kv_index = 1, rank // replicas
+        q_rows, kv_rows = local_heads * head_dim, local_kv * head_dim
+        slices = {
+            "q": OutputSlice(rank * q_rows, 0, q_rows),
+            "k": OutputSlice(kv_index * kv_rows, q_rows, kv_rows),
+            "v": OutputSlice(kv_index * kv_rows, q_rows + kv_rows, kv_rows),
+        }
+        layer = cls(hidden_size, q_rows + 2 * kv_rows, slices, bias=bias, dtype=dtype)
+        layer.num_local_heads, layer.num_local_kv_heads = local_heads, local_kv
+        return layer
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: Optional[Hashable] = None) -> None:
+        """Copy this rank's rows of checkpoint matrix ``shard_id`` into ``weight`` or ``bias``."""
+        param = getattr(self, param_name)
+        if shard_id is None and None not in self.slices:
+            raise ValueError(f"fused layer needs a shard id ({list(self.slices)}) for {param_name}")
+        s = self.slices[shard_id]
+        _copy_into(param.data.narrow(0, s.dst_start, s.size), loaded.narrow(0, s.src_start, s.size),
+                   f"{param_name}[{shard_id}]")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        shards = [k for k in self.slices if k is not None]
+        return f"in={self.input_size}, local_out={self.local_output_size}, shards={shards}"
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_r @ W_r.T) (+ b)``: ``x_r`` is this rank's slice of the input features
+    (the output of a column-parallel layer), ``W_r`` the matching columns."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        parallel: ModelParallel,
+        bias: bool = False,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.local_input_size = divide(input_size, parallel.tp_size, "row-parallel input size")
+        self.weight = _new_param(output_size, self.local_input_size, dtype=dtype)
+        # The bias is added once, after the reduction, so every rank holds it whole.
+        self.bias = _new_param(output_size, dtype=dtype) if bias else None
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: Optional[Hashable] = None) -> None:
+        if param_name == "bias":
+            _copy_into(self.bias.data, loaded, "bias")
+            return
+        start = self.parallel.tp_rank * self.local_input_size
+        _copy_into(self.weight.data, loaded.narrow(1, start, self.local_input_size), "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.parallel.tp_size > 1:
+            y = self.parallel.tp_group.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split in contiguous per-rank blocks."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        parallel: ModelParallel,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.vocab_size = vocab_size
+        self.tp_size = parallel.tp_size
+        per_rank = -(-vocab_size // parallel.tp_size)
+        self.rows_per_rank = -(-per_rank // VOCAB_PADDING) * VOCAB_PADDING
+        self.vocab_start = parallel.tp_rank * self.rows_per_rank
+        self.num_real_rows = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))
+        self.weight = _new_param(self.rows_per_rank, hidden_size, dtype=dtype)
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: Optional[Hashable] = None) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(
+                f"{param_name}: checkpoint has {loaded.shape[0]} rows, config vocab_size is {self.vocab_size}"
+            )
+        n = self.num_real_rows
+        _copy_into(self.weight.data[:n], loaded.narrow(0, self.vocab_start, n), param_name)
+        # Padding rows: zero, so their logits are 0 and their (never used) embeddings are too.
+        self.weight.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_real_rows)
+        out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.parallel.tp_group.all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab_size}, rows_per_rank={self.rows_per_rank}, start={self.vocab_start}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to this rank's vocabulary block (same layout as the embedding, so the
+    two can share one weight when the checkpoint ties them)."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        if embedding.weight.shape != self.weight.shape or embedding.vocab_start != self.vocab_start:
+            raise ValueError("tied lm_head and embedding must have the same vocabulary layout")
+        self.weight = embedding.weight
+
+    def local_logits(self, hidden_states: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[..., rows_per_rank]`` logits of this rank's block (padding included)."""
+        return F.linear(hidden_states, self.weight, bias)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Full ``[..., vocab_size]`` logits on every rank (all-gather across the TP group)."""
+        local = self.local_logits(hidden_states)
+        if self.tp_size > 1:
+            local = self.parallel.tp_group.all_gather(local, dim=-1)
+        return local[..., : self.vocab_size]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead projects hidden states: call local_logits() or logits()")

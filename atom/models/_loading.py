@@ -1,0 +1,68 @@
+"""Loading checkpoint tensors (name, tensor) into an atom model, from the host's iterator.
+
+Checkpoint names are HF names. A model declares which checkpoint matrices it fuses
+(``q_proj`` -> ``qkv_proj`` shard ``"q"``, ...); each tensor is then handed to its module's
+``load_weight(param_name, tensor, shard_id)`` (which cuts out this rank's slice), or copied as
+is for modules without one (norm weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Optional
+
+import torch
+from torch import nn
+
+#: (fused module name, checkpoint module name, shard id), e.g. ("qkv_proj", "q_proj", "q").
+StackedParams = Sequence[tuple[str, str, Hashable]]
+
+
+def load_checkpoint_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: StackedParams = (),
+    skip: Optional[Callable[[str], bool]] = None,
+) -> set[str]:
+    """Load every tensor of ``weights`` into ``model``; returns the model's parameter names loaded.
+
+    Raises ``ValueError`` for a checkpoint tensor the model has no place for (a silent skip would
+    leave a parameter uninitialised or hide a naming mistake); ``skip(name)`` names the ones that
+    are expected and unused.
+    """
+    params = dict(model.named_parameters())
+    # A fused parameter counts as loaded only once every matrix fused into it has arrived.
+    shards_of: dict[str, set[Hashable]] = {}
+    for fused, _, sid in stacked:
+        shards_of.setdefault(fused, set()).add(sid)
+    pending: dict[str, set[Hashable]] = {}
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            if skip is not None and skip(name):
+                continue
+            target, shard_id, fused_name = name, None, None
+            for fused, part, sid in stacked:
+                if f".{part}." in name:
+                    target, shard_id, fused_name = name.replace(f".{part}.", f".{fused}."), sid, fused
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+            module_name, _, param_name = target.rpartition(".")
+            module = model.get_submodule(module_name)
+            load = getattr(module, "load_weight", None)
+            if load is not None:
+                load(param_name, tensor, shard_id)
+            else:
+                param = params[target]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            if fused_name is None:
+                loaded.add(target)
+                continue
+            missing = pending.setdefault(target, set(shards_of[fused_name]))
+            missing.discard(shard_id)
+            if not missing:
+                loaded.add(target)
+    return loaded

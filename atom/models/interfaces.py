@@ -1,0 +1,108 @@
+"""The contract between a host wrapper (``atom.plugin``) and atom's models.
+
+A model receives, explicitly in its constructor:
+
+* atom's :class:`atom.config.Config` (``config.hf_config`` holds the architecture dims);
+* an :class:`AttentionFactory`, which builds the host's attention layer (in vLLM: vLLM's own
+  ``Attention``, so vLLM's KV-cache manager and attention backend own the cache);
+* a :class:`ModelParallel` describing this rank's tensor-parallel position and the host's
+  process group (reused, never a second group).
+
+and provides the :class:`CausalLM` methods. Nothing here imports a host framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class TPGroup(Protocol):
+    """The collectives atom's layers use. vLLM's ``GroupCoordinator`` satisfies it as is."""
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """This rank's place in the tensor-parallel group.
+
+    ``tp_group`` is required when ``tp_size > 1``; with one rank no collective is ever called.
+    ``atom.plugin.register.ParallelGroups`` (vLLM's groups) has the same fields.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Optional[TPGroup] = None
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"invalid tensor-parallel position: rank {self.tp_rank} of {self.tp_size}")
+        if self.tp_size > 1 and self.tp_group is None:
+            raise ValueError(f"tp_size={self.tp_size} needs a tp_group for the collectives")
+
+    @classmethod
+    def of(cls, groups: Any) -> "ModelParallel":
+        """From any object with ``tp_rank``, ``tp_size`` and ``tp_group`` (e.g. vLLM's groups)."""
+        return cls(tp_rank=int(groups.tp_rank), tp_size=int(groups.tp_size), tp_group=groups.tp_group)
+
+
+class AttentionFactory(Protocol):
+    """Builds one attention layer; the returned module's ``forward(q, k, v)`` returns
+    ``[num_tokens, num_heads * head_dim]``.
+
+    ``q`` is ``[num_tokens, num_heads * head_dim]`` and ``k``/``v`` are
+    ``[num_tokens, num_kv_heads * head_dim]``, already normalised and rotated; head counts are
+    this rank's (after tensor-parallel splitting). The layer finds its sequence boundaries and KV
+    cache itself (vLLM: through its forward context, keyed by ``prefix``, which therefore must be
+    unique per layer, e.g. ``model.layers.0.self_attn.attn``). ``sliding_window=None`` means the
+    host's model-level default.
+    """
+
+    def __call__(
+        self,
+        *,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        prefix: str,
+        sliding_window: Optional[int] = None,
+    ) -> nn.Module: ...
+
+
+class LMHead(Protocol):
+    """What a host needs of a model's vocab-parallel output projection."""
+
+    weight: torch.Tensor  # [padded_vocab // tp_size, hidden]: this rank's rows
+    tp_size: int
+    vocab_size: int  # the real vocabulary (logits past it are padding)
+
+    def local_logits(self, hidden_states: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What every atom causal LM provides to its host wrapper."""
+
+    lm_head: Any  # an LMHead
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        inputs_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...

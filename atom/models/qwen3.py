@@ -1,0 +1,225 @@
+"""Qwen3 (dense): atom's implementation of HF ``Qwen3ForCausalLM``.
+
+Per layer: RMSNorm (fused residual add) -> fused qkv projection -> per-head RMSNorm of q and k
+-> NeoX RoPE -> attention (the host's layer, from the injected factory) -> o_proj -> RMSNorm
+(fused residual add) -> fused gate_up -> SiLU-and-mul -> down_proj. Tensor parallel as in
+:mod:`atom.models._linear`. Checkpoint names are HF's; q/k/v and gate/up are fused at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from atom.config import Config
+from atom.models._layers import RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
+from atom.models._linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from atom.models._loading import load_checkpoint_weights
+from atom.models.interfaces import AttentionFactory, ModelParallel
+
+#: Qwen3's RoPE base when a config omits it (what Qwen3 checkpoints and vLLM assume).
+DEFAULT_ROPE_THETA = 1_000_000.0
+
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        rotary_emb: RotaryEmbedding,
+        make_attention: AttentionFactory,
+        parallel: ModelParallel,
+        dtype: Optional[torch.dtype],
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
+        self.qkv_proj = ColumnParallelLinear.qkv(
+            hidden, self.head_dim, num_heads, num_kv_heads, parallel,
+            bias=bool(getattr(hf_config, "attention_bias", False)), dtype=dtype,
+        )
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, parallel, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype=dtype)
+        self.rotary_emb = rotary_emb  # shared by every layer
+        self.attn = make_attention(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            scale=self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            prefix=_join(prefix, "attn"),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = qkv.shape[0]
+        # Qwen3's QK-norm: RMSNorm of every head separately, before RoPE.
+        q = self.q_norm(q.view(t, self.num_heads, self.head_dim)).view(t, self.q_size)
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, hf_config: Any, parallel: ModelParallel, dtype: Optional[torch.dtype]) -> None:
+        super().__init__()
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"atom's Qwen3 MLP implements hidden_act='silu', not {act!r}")
+        inter = hf_config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear.merged(hf_config.hidden_size, [inter, inter], parallel, dtype=dtype)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, parallel, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        rotary_emb: RotaryEmbedding,
+        make_attention: AttentionFactory,
+        parallel: ModelParallel,
+        dtype: Optional[torch.dtype],
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(
+            hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, "self_attn")
+        )
+        self.mlp = Qwen3MLP(hf_config, parallel, dtype)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so that each norm fuses the add before it.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        make_attention: AttentionFactory,
+        parallel: ModelParallel,
+        dtype: Optional[torch.dtype],
+        max_position: int,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel, dtype=dtype)
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
+        rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config, DEFAULT_ROPE_THETA), max_position)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, f"layers.{i}"))
+            for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        inputs_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """HF ``Qwen3ForCausalLM``: ``model`` (embedding, decoder layers, final norm) + ``lm_head``.
+
+    Args:
+        config: atom's Config; ``config.hf_config`` is the HF ``Qwen3Config`` (or any object with
+            its fields), ``config.dtype`` the parameter dtype (None: torch's default).
+        make_attention: builds each layer's attention (see :class:`AttentionFactory`); layer i's
+            is named ``{prefix}model.layers.{i}.self_attn.attn``.
+        parallel: this rank's tensor-parallel position and group.
+        prefix: prepended to the attention layer names (the host's name for this model).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        make_attention: AttentionFactory,
+        parallel: ModelParallel = ModelParallel(),
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.hf_config = hf
+        max_position = max(int(getattr(hf, "max_position_embeddings", 0) or 0), int(config.max_model_len))
+        self.model = Qwen3Model(hf, make_attention, parallel, config.dtype, max_position, _join(prefix, "model"))
+        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, parallel, dtype=config.dtype)
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        inputs_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Final hidden states ``[num_tokens, hidden]`` of a flat batch of tokens."""
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits on every rank (a host may instead use ``lm_head.local_logits``)."""
+        return self.lm_head.logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the parameter names (of this module) now loaded."""
+
+        def skip(name: str) -> bool:
+            # RoPE tables are recomputed from the config; a tied head has no weight of its own.
+            return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+        return load_checkpoint_weights(self, weights, STACKED_PARAMS, skip)

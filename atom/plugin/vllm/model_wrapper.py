@@ -1,0 +1,202 @@
+"""The vLLM model classes that ``register_model`` puts in vLLM's ``ModelRegistry``.
+
+vLLM builds, loads and runs an atom model through these methods (vLLM 0.26 - 0.33):
+
+* ``__init__(*, vllm_config, prefix)`` -- called by vLLM's model loader (``initialize_model``)
+  inside its config / device / dtype contexts. Translates the config
+  (:func:`atom.plugin.config.atom_config_from_vllm`), picks the atom model class from the one
+  architecture table (:data:`atom.plugin.models.BY_ARCH`) and constructs it with everything it
+  needs passed explicitly: atom's Config, an attention factory that builds vLLM's own
+  ``Attention`` layers, and vLLM's tensor-parallel group. No process globals.
+* ``load_weights(weights)`` -- called by vLLM's loader with vLLM's weight iterator; atom never
+  reads checkpoint files itself. Returns the names loaded (vLLM checks that none is missing).
+* ``forward(input_ids, positions, ...)`` -- called by the model runner each step, inside vLLM's
+  forward context (attention metadata, KV caches).
+* ``compute_logits(hidden_states)`` -- vLLM's ``LogitsProcessor`` over atom's vocab-parallel
+  head (gather across TP ranks, vocabulary padding removed).
+* ``embed_input_ids(input_ids)`` -- token embeddings (prompt embeddings, spec decode).
+
+Only this module (and the rest of ``atom.plugin``) knows vLLM; atom's models never import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+from atom._logging import get_logger
+from atom.models.interfaces import CausalLM, ModelParallel
+from atom.plugin.config import atom_config_from_vllm, plugin_config_from_vllm
+from atom.plugin.models import BY_ARCH
+from atom.plugin.register import vllm_parallel_groups
+from atom.plugin.vllm import compat
+
+logger = get_logger("atom.plugin")
+
+#: Attribute under which the wrapper holds atom's model (its parameters are ``model.<name>``).
+ATOM_MODEL_ATTR = "model"
+
+
+@dataclass(frozen=True)
+class VllmAttentionFactory:
+    """Builds vLLM's ``Attention`` layer for an atom model (see ``atom.models.interfaces``).
+
+    vLLM's layer registers itself under ``prefix`` in the static forward context, where vLLM's
+    KV-cache manager binds its cache and its attention backend (vLLM's, or atom's through the
+    platform) finds its metadata; the cache and quantisation configs are vLLM's own.
+    """
+
+    cache_config: Any  # vllm.config.CacheConfig
+    quant_config: Any = None  # vllm QuantizationConfig or None
+
+    def __call__(
+        self,
+        *,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        prefix: str,
+        sliding_window: Optional[int] = None,
+    ) -> nn.Module:
+        attention_cls = importlib.import_module(compat.attention_layer_module()).Attention
+        return attention_cls(
+            num_heads,
+            head_dim,
+            scale,
+            num_kv_heads=num_kv_heads,
+            cache_config=self.cache_config,
+            quant_config=self.quant_config,
+            per_layer_sliding_window=sliding_window,
+            prefix=prefix,
+        )
+
+
+class _HeadMethod(UnquantizedEmbeddingMethod):
+    """vLLM's ``LogitsProcessor`` projects through ``lm_head.quant_method.apply``; this one runs
+    atom's head (and is an unquantized method, so vLLM's fp32 ``head_dtype`` path accepts it)."""
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return layer.local_logits(x, bias)
+
+
+class _VllmHeadView:
+    """What ``LogitsProcessor`` reads of an lm_head (``quant_method``, ``tp_size``, ``weight``),
+    over atom's vocab-parallel head. A plain object, not a submodule: the weight stays atom's."""
+
+    quant_method = _HeadMethod()
+
+    def __init__(self, head: Any) -> None:
+        self.head = head
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    @property
+    def tp_size(self) -> int:
+        return self.head.tp_size
+
+    def local_logits(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.head.local_logits(x, bias)
+
+
+def resolve_model_class(qualname: str) -> type[nn.Module]:
+    """``"atom.models.qwen3:Qwen3ForCausalLM"`` -> the class."""
+    module_name, _, class_name = qualname.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+class ATOMModelBase(nn.Module):
+    """A vLLM model that runs an atom model (chosen by HF architecture from the arch table)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__()
+        hf_config = vllm_config.model_config.hf_config
+        arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+        entry = BY_ARCH.get(arch)
+        if entry is None:
+            raise ValueError(f"atom has no model for architecture {arch!r} (atom.plugin.models.MODEL_TABLE)")
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise NotImplementedError("atom models do not support pipeline parallelism yet; "
+                                      "set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model")
+        if vllm_config.quant_config is not None:
+            raise NotImplementedError(
+                f"atom's {arch} runs unquantized checkpoints only (this one uses "
+                f"{vllm_config.model_config.quantization!r}); set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model"
+            )
+
+        groups = vllm_parallel_groups()
+        self.atom_config = atom_config_from_vllm(vllm_config)
+        self.plugin_config = plugin_config_from_vllm(vllm_config, rank=groups.tp_rank)
+        model_cls = resolve_model_class(entry.model)
+        model = model_cls(
+            self.atom_config,
+            make_attention=VllmAttentionFactory(self.plugin_config.vllm_cache_config,
+                                                self.plugin_config.vllm_quant_config),
+            parallel=ModelParallel.of(groups),
+            prefix=prefix,
+        )
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"{entry.model} does not implement atom.models.interfaces.CausalLM")
+        setattr(self, ATOM_MODEL_ATTR, model)
+        self.atom_model_class = entry.model
+        self.logits_processor = LogitsProcessor(hf_config.vocab_size)
+        self._head = _VllmHeadView(model.lm_head)
+        logger.info("atom: built %s (%s) for %s, tp %d/%d", entry.model, type(self).__name__, arch,
+                    groups.tp_rank, groups.tp_size)
+
+    @property
+    def atom_model(self) -> CausalLM:
+        return getattr(self, ATOM_MODEL_ATTR)
+
+    # -- what vLLM calls ------------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.atom_model.embed_input_ids(input_ids)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The name older vLLM releases call ``embed_input_ids`` by."""
+        return self.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if intermediate_tensors is not None:
+            raise NotImplementedError("atom models do not support pipeline parallelism yet")
+        return self.atom_model(input_ids, positions, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        """Full-vocabulary logits (None on TP ranks > 0 where vLLM gathers to rank 0 only)."""
+        return self.logits_processor(self._head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = self.atom_model.load_weights(weights)
+        return {f"{ATOM_MODEL_ATTR}.{name}" for name in loaded}
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM's model-level post-load hook (after its per-layer ones, vLLM's ``Attention``
+        included): where an atom model repacks its weights for its kernels, if it needs to."""
+        hook = getattr(self.atom_model, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
+
+
+class ATOMForCausalLM(ATOMModelBase):
+    """Dense decoder-only models (Qwen3, Llama, ...)."""
+
+
+class ATOMMoEForCausalLM(ATOMModelBase):
+    """Mixture-of-experts models (Qwen3-MoE, DeepSeek-V3, ...); the expert-parallel interfaces
+    vLLM asks of MoE models (EPLB) arrive with the first atom MoE model."""
