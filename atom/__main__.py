@@ -1,5 +1,6 @@
 """``python -m atom``: the command line.
 
+  doctor [--json]          what atom would do here: versions, platform, ops, patches, env
   patches [--json]         every patch/injection record and its state in this environment
   docs [--write|--check]   regenerate / verify docs/env_vars.md and docs/patches.md
 """
@@ -45,10 +46,19 @@ def _cmd_docs(args: argparse.Namespace) -> int:
     return 1 if stale else 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from atom import doctor
+
+    return doctor.main(as_json=args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m atom", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    dr = sub.add_parser("doctor", help="explain what atom would do in this environment")
+    dr.add_argument("--json", action="store_true", help="machine-readable output")
+    dr.set_defaults(func=_cmd_doctor)
     p = sub.add_parser("patches", help="list every patch/injection and its state")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_patches)

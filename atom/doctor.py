@@ -1,0 +1,148 @@
+"""``python -m atom doctor``: what atom would do in this environment, without starting an engine.
+
+Reports versions (vLLM, torch, triton, aiter) and whether the vLLM version is supported, the
+platform vLLM resolves with and without atom, the device, the backend each op would use and why,
+every patch/injection with its state (it arms them and imports their vLLM modules to find out),
+and every ATOM_* variable that is set with its parsed value. Exit status 0 when atom would
+activate; otherwise 1 with the reason on the last line (2 for a malformed ATOM_* value).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+from typing import Any
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect() -> dict[str, Any]:
+    from atom import envs
+
+    report: dict[str, Any] = {"atom": _version("atom-vllm")}
+    try:
+        report["env"] = {k: v for k, v in envs.set_values().items()}
+    except envs.EnvError as exc:
+        report["env_error"] = str(exc)
+        report["active"] = False
+        report["reason"] = str(exc)
+        return report
+
+    from atom.patches.versions import installed_vllm
+    from atom.plugin.vllm import register
+
+    found = installed_vllm()
+    report["versions"] = {
+        "vllm": f"{found[1]} ({found[0]})" if found else None,
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "aiter": _version("amd-aiter") or _version("aiter"),
+    }
+    ok, why = register.vllm_support()
+    report["vllm_supported"] = {"ok": ok, "why": why}
+
+    device = None
+    if found is not None:
+        device = register.detect_device()
+    report["device"] = device
+    stock = {"cpu": "vllm.platforms.cpu.CpuPlatform", "cuda": "vllm.platforms.cuda.CudaPlatform",
+             "rocm": "vllm.platforms.rocm.RocmPlatform"}
+    qualname, reason = register.activation() if found is not None else (None, "vLLM is not installed")
+    report["platform"] = {
+        "without_atom": stock.get(device or "", device),
+        "with_atom": qualname or stock.get(device or "", device),
+        "atom_active": qualname is not None,
+        "reason": reason,
+    }
+    if device == "cuda":
+        try:
+            import torch
+
+            report["device_name"] = torch.cuda.get_device_name(0)
+        except Exception as exc:  # pragma: no cover - GPU only
+            report["device_name"] = f"unknown ({exc})"
+
+    from atom.plugin.register import select_attention_backend
+
+    class _Sel:
+        use_mla = False
+        use_sparse = False
+
+    class _SelMla(_Sel):
+        use_mla = True
+
+    report["attention"] = {
+        kind: dict(zip(("atom_backend", "reason"), select_attention_backend(cfg)))
+        for kind, cfg in (("mha", _Sel()), ("mla", _SelMla()))
+    }
+
+    import atom.ops  # registers every op
+    from atom.ops import OPS
+
+    op_device = "cuda" if device in ("cuda", "rocm") else "cpu"
+    report["ops"] = {name: dict(zip(("backend", "why"), op.backend_on(op_device))) for name, op in sorted(OPS.items())}
+
+    report["patches"] = _patch_states(found is not None)
+    report["active"] = qualname is not None
+    report["reason"] = reason
+    return report
+
+
+def _patch_states(vllm_installed: bool) -> list[dict[str, str]]:
+    from atom.patches import REGISTRY, listing
+    from atom.plugin import catalog
+    from atom.plugin.vllm import patches
+
+    catalog.load()
+    if vllm_installed:
+        # Arm exactly as register_model does, then import each target so the real state shows.
+        patches.arm_all()
+        for rec in patches.VLLM_RECORDS:
+            try:
+                importlib.import_module(rec.module)
+            except Exception:  # an unimportable target stays "armed": the listing says so
+                pass
+    return [{k: r[k] for k in ("id", "kind", "target", "state", "detail")} for r in listing(REGISTRY)]
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"atom {report.get('atom')}"]
+    if "env_error" in report:
+        lines.append(f"ATOM_* variables: ERROR {report['env_error']}")
+        lines.append(f"atom would NOT activate: {report['reason']}")
+        return "\n".join(lines)
+    v = report["versions"]
+    lines.append("versions: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in v))
+    lines.append(f"vLLM support: {'yes' if report['vllm_supported']['ok'] else 'NO'} - {report['vllm_supported']['why']}")
+    p = report["platform"]
+    lines.append(f"device: {report['device'] or 'none'}" + (f" ({report['device_name']})" if report.get("device_name") else ""))
+    lines.append(f"platform without atom: {p['without_atom']}")
+    lines.append(f"platform with atom:    {p['with_atom']}")
+    lines.append("attention:")
+    for kind, a in report["attention"].items():
+        lines.append(f"  {kind}: {a['atom_backend'] or 'vLLM default'} ({a['reason']})")
+    lines.append("ops (backend on this device, why):")
+    for name, o in report["ops"].items():
+        lines.append(f"  {name:<28} {o['backend']:<7} {o['why']}")
+    lines.append("patches:")
+    for r in report["patches"]:
+        state = r["state"] + (f" ({r['detail']})" if r["detail"] else "")
+        lines.append(f"  {r['id']}: {state}")
+    env = report["env"]
+    lines.append("ATOM_* variables set: " + (", ".join(f"{k}={v!r}" for k, v in env.items()) if env else "none"))
+    lines.append(f"atom would {'activate' if report['active'] else 'NOT activate'}: {report['reason']}")
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False) -> int:
+    report = collect()
+    print(json.dumps(report, indent=2, default=str) if as_json else render(report))
+    if "env_error" in report:
+        return 2
+    return 0 if report["active"] else 1
