@@ -6,6 +6,8 @@
 #   demo     scripts/demo.py (atom on vs off)  -> $OUT/demo.txt
 #   tests    GPU-marked tests                  -> $OUT/gpu_tests.txt
 #   ops      bench/ops_memory.py + bench/ops_compute.py -> $OUT/ops_*.txt/json
+#   e2e      ../shared/gpu/bench_vllm_baseline.py (carried in .stage/tools) on its dense Qwen3,
+#            stock (ATOM_DISABLE_VLLM_PLUGIN=1) then atom, same process settings -> $OUT/e2e
 # Results land under $OUT, which the device tool brings back.
 set -uo pipefail
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
@@ -20,6 +22,13 @@ for step in "$@"; do
         tests) timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt" ;;
         ops) timeout 280 python3 bench/ops_memory.py --json "$OUT/ops_memory.json" > "$OUT/ops_memory.txt" 2>&1; tail -30 "$OUT/ops_memory.txt"
              timeout 280 python3 bench/ops_compute.py --json "$OUT/ops_compute.json" > "$OUT/ops_compute.txt" 2>&1; tail -30 "$OUT/ops_compute.txt" ;;
+        e2e) mkdir -p "$OUT/e2e"; B=.stage/tools/bench_vllm_baseline.py
+             python3 $B build --out /tmp/models > /dev/null 2>&1
+             for side in stock atom; do
+                 if [ $side = stock ]; then export ATOM_DISABLE_VLLM_PLUGIN=1; else unset ATOM_DISABLE_VLLM_PLUGIN; fi
+                 timeout 280 python3 $B run --model /tmp/models/tiny-qwen3 --json "$OUT/e2e/qwen3_$side.json" > "$OUT/e2e/qwen3_$side.log" 2>&1
+                 grep -E "atom\]|tok/s|ms/token|Error" "$OUT/e2e/qwen3_$side.log" | tail -8
+             done; unset ATOM_DISABLE_VLLM_PLUGIN ;;
         *) echo "unknown step $step" ;;
     esac
 done

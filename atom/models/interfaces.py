@@ -106,3 +106,17 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+
+#: The members of :class:`CausalLM`, checked by :func:`missing_causal_lm_members`.
+CAUSAL_LM_MEMBERS = ("lm_head", "embed_input_ids", "forward", "compute_logits", "load_weights")
+
+
+def missing_causal_lm_members(model: Any) -> list[str]:
+    """The :class:`CausalLM` members ``model`` lacks.
+
+    Not ``isinstance(model, CausalLM)``: from Python 3.12 a runtime-checkable protocol looks
+    members up with ``inspect.getattr_static``, which does not see an ``nn.Module``'s submodules
+    (they live in ``_modules``), so a model whose ``lm_head`` is a submodule would be rejected.
+    """
+    return [name for name in CAUSAL_LM_MEMBERS if getattr(model, name, None) is None]

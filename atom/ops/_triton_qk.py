@@ -109,10 +109,12 @@ def _qk_norm_rope_cache_kernel(
     # cos_sin_cache row: [cos(0..r/2) | sin(0..r/2)] (vLLM's layout).
     cos = tl.load(cs_ptr + pos * stride_cs + i, mask=mask_i, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs + ROT_HALF + i, mask=mask_i, other=0.0).to(tl.float32)
+    # Distinct names per branch: Triton merges variables assigned in both branches of an `if`,
+    # and BLOCK_HQ != BLOCK_HK (e.g. 32 q heads, 4 kv heads) would give them mismatched types.
     if hb < NUM_Q_BLOCKS:
-        heads = hb * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+        q_heads = hb * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
         _norm_rope_heads(
-            q_ptr + t * stride_qt, heads, stride_qh, heads < HQ, i, mask_i, offp, mask_p,
+            q_ptr + t * stride_qt, q_heads, stride_qh, q_heads < HQ, i, mask_i, offp, mask_p,
             qw_ptr, cos, sin, eps, HEAD_DIM, ROT_HALF, BLOCK_HALF, IS_NEOX, DO_NORM, LOAD_PASS,
         )
     else:

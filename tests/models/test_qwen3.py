@@ -343,3 +343,25 @@ def test_tensor_parallel_ranks_match_single_rank(tp):
     for rank, logits in enumerate(results):
         assert not isinstance(logits, BaseException), logits
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4, msg=f"rank {rank}")
+
+
+def test_causal_lm_check_sees_submodules():
+    """The wrapper's interface check must find nn.Module submodules (Python 3.12's protocol
+    isinstance uses getattr_static and missed ``lm_head`` on the GPU image)."""
+    import torch.nn as nn
+
+    from atom.models.interfaces import missing_causal_lm_members
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(2, 2)
+
+        def embed_input_ids(self, input_ids): ...
+
+        def compute_logits(self, hidden_states): ...
+
+        def load_weights(self, weights): ...
+
+    assert missing_causal_lm_members(Model()) == []
+    assert missing_causal_lm_members(nn.Module()) == ["lm_head", "embed_input_ids", "compute_logits", "load_weights"]

@@ -125,6 +125,12 @@ def _drive_launchers() -> list[tuple[object, tuple, dict]]:
     kv = torch.empty(2, 64, 16, hk, d, dtype=bf)
     FUSED_QK_NORM_ROPE_CACHE.triton_impl(  # partial rotary
         q, k, v, w[:d], w[:d], 1e-6, pos, cs[:, :64], True, kv[0], kv[1], slots, "auto", None, None, 64)
+    # Qwen3-30B-A3B heads (32 q / 4 kv): q and kv head blocks of different sizes in one kernel
+    # (the GPU compiler rejected this once; the interpreter did not).
+    q30, k30, v30 = split_qkv(torch.empty(t, (32 + 2 * 4) * d, dtype=bf), 32, 4, d)
+    kv = torch.empty(2, 64, 16, 4, d, dtype=bf)
+    FUSED_QK_NORM_ROPE_CACHE.triton_impl(
+        q30, k30, v30, w[:d], w[:d], 1e-6, pos, cs, True, kv[0], kv[1], slots, "auto", None, None)
     for cache_dtype, kvd in ((bf, "auto"), (f8, "fp8")):
         kv = torch.empty(2, 64, 16, hk, d, dtype=cache_dtype)
         RESHAPE_AND_CACHE.triton_impl(k, v, kv[0], kv[1], slots, kvd, scale, scale)

@@ -32,7 +32,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
 from atom._logging import get_logger
-from atom.models.interfaces import CausalLM, ModelParallel
+from atom.models.interfaces import CausalLM, ModelParallel, missing_causal_lm_members
 from atom.plugin.config import atom_config_from_vllm, plugin_config_from_vllm
 from atom.plugin.models import BY_ARCH
 from atom.plugin.register import vllm_parallel_groups
@@ -144,8 +144,10 @@ class ATOMModelBase(nn.Module):
             parallel=ModelParallel.of(groups),
             prefix=prefix,
         )
-        if not isinstance(model, CausalLM):
-            raise TypeError(f"{entry.model} does not implement atom.models.interfaces.CausalLM")
+        missing = missing_causal_lm_members(model)
+        if missing:
+            raise TypeError(f"{entry.model} does not implement atom.models.interfaces.CausalLM: "
+                            f"missing {', '.join(missing)}")
         setattr(self, ATOM_MODEL_ATTR, model)
         self.atom_model_class = entry.model
         self.logits_processor = LogitsProcessor(hf_config.vocab_size)
