@@ -360,6 +360,13 @@ class Bench:
             self.run_case(row, lambda: mla_decode.run("triton", *args, max_seq_len=ctx, out=out),
                           lambda: mla_decode.run("torch", *args),
                           self._vllm_mla(qn, qp, cache, table, sl, ctx, scale))
+            if not self.dry:
+                # vLLM's default MLA decode on Hopper is FlashMLA (page size 64): same work, its
+                # own cache layout; a second row so both vLLM kernels are on the table.
+                frow = Row("mla", f"b={batch} ctx={ctx} vs FlashMLA", bytes=row.bytes, flops=row.flops,
+                           bound="memory")
+                self.run_case(frow, lambda: mla_decode.run("triton", *args, max_seq_len=ctx, out=out),
+                              None, self._vllm_flashmla(qn, qp, ctx, scale))
             del cache
 
     def _vllm_mla(self, qn, qp, cache, table, sl, ctx, scale):
@@ -390,6 +397,27 @@ class Bench:
                 return lambda: decode_attention_fwd(q, kv, v, o, lse, table, sl, logits, splits,
                                                     scale, page, **extra)
             return lambda: decode_attention_fwd(q, kv, v, o, table, sl, logits, splits, scale, page)
+        return make
+
+    def _vllm_flashmla(self, qn, qp, ctx, scale):
+        def make():
+            torch = self.torch
+            from vllm.v1.attention.ops.flashmla import (
+                flash_mla_with_kvcache, get_mla_metadata, is_flashmla_dense_supported)
+
+            ok, why = is_flashmla_dense_supported()
+            if not ok:
+                raise RuntimeError(f"FlashMLA unavailable: {why}")
+            batch, heads, rank = qn.shape
+            page = 64
+            blocks = -(-ctx // page)
+            kv = torch.randn(batch * blocks, page, 1, rank + qp.shape[-1], device=qn.device, dtype=qn.dtype)
+            table = torch.randperm(batch * blocks, device=qn.device).view(batch, blocks).int()
+            seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=qn.device)
+            q = torch.cat([qn, qp], -1).unsqueeze(1)  # [B, 1, H, rank + rope]
+            meta, _ = get_mla_metadata()  # filled on the first call, reused as vLLM does
+            return lambda: flash_mla_with_kvcache(q, kv, table, seqlens, rank, meta,
+                                                  softmax_scale=scale, causal=True)
         return make
 
     # -- MoE -------------------------------------------------------------------------------
