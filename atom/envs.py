@@ -75,7 +75,7 @@ def _parse_ops_backend(name: str, raw: str) -> dict[str, str]:
             raise EnvError(
                 f"{name}={raw!r}: {part!r} is not valid; accepted values: one of "
                 f"{', '.join(OPS_BACKENDS)}, or a comma list of op=backend "
-                "(e.g. rms_norm=torch,rope=triton)"
+                "(e.g. rms_norm=torch,rotary_embedding=triton)"
             )
         result[op] = backend
     return result

@@ -74,7 +74,7 @@ def stock_runs(stock_process) -> dict[str, dict]:
     proc, out = stock_process
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-4000:]
-    assert "atom: built" not in log, "stock run used atom's model despite ATOM_DISABLE_VLLM_PLUGIN=1"
+    assert "[atom] built atom.models" not in log, "stock run used atom's model despite ATOM_DISABLE_VLLM_PLUGIN=1"
     return {r["dtype"]: r for r in json.loads(out.read_text())}
 
 

@@ -152,7 +152,7 @@ class ATOMModelBase(nn.Module):
         self.atom_model_class = entry.model
         self.logits_processor = LogitsProcessor(hf_config.vocab_size)
         self._head = _VllmHeadView(model.lm_head)
-        logger.info("atom: built %s (%s) for %s, tp %d/%d", entry.model, type(self).__name__, arch,
+        logger.info("built %s (%s) for %s, tp rank %d of %d", entry.model, type(self).__name__, arch,
                     groups.tp_rank, groups.tp_size)
 
     @property
