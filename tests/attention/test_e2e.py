@@ -60,6 +60,8 @@ def atom_side(checkpoint, vllm_engine):
     from vllm import SamplingParams
 
     llm = vllm_engine(checkpoint, **runner.ENGINE_KWARGS)
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    assert scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max(PROMPT_LENGTHS)
     impls = runner.attention_impls(llm)
     params = SamplingParams(temperature=0.0, max_tokens=runner.NEW_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
