@@ -48,17 +48,45 @@ def _dense(q, k, v, q_len, scale, window, sinks):
     return out
 
 
-@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC"])
-@pytest.mark.parametrize("window,with_sinks", [(None, False), (7, False), (None, True), (5, True)])
-def test_impl_matches_dense_attention(layout, window, with_sinks, monkeypatch):
-    if compat.has_get_kv_cache_shape():
+_CASES = [
+    pytest.param(layout, window, sinks, "auto", id=f"{layout}-w{window}-sinks{int(sinks)}")
+    for layout in ("LBNHC", "LBHNC", "BLNHC")
+    for window, sinks in ((None, False), (7, False), (None, True), (5, True))
+] + [
+    # atom's Triton kernels through the impl (interpreted on CPU): the GPU code path's indexing
+    # of vLLM's strided cache views, on a token-major and a head-major layout.
+    pytest.param(layout, 5, True, "triton", id=f"{layout}-w5-sinks1-triton") for layout in ("LBNHC", "LBHNC")
+] + [
+    # vLLM <= 0.28 allocates get_kv_cache_shape's tensor (the release is simulated here)
+    pytest.param("get_kv_cache_shape", 5, True, "auto", id="0.26-shape-w5-sinks1"),
+]
+
+
+@pytest.mark.parametrize("layout,window,with_sinks,ops_backend", _CASES)
+def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, monkeypatch):
+    if layout == "get_kv_cache_shape":
+        from packaging.version import Version
+
+        monkeypatch.setattr(compat, "vllm_version", lambda: Version("0.26.0"))
+    elif compat.has_get_kv_cache_shape():
         pytest.skip("vLLM <= 0.28 hands the backend its own get_kv_cache_shape tensor")
+    if ops_backend == "triton":
+        import os
+
+        from atom.ops._dispatch import triton_available
+
+        if not torch.cuda.is_available() and (not triton_available() or os.environ.get("TRITON_INTERPRET") != "1"):
+            pytest.skip("needs a GPU or Triton's interpreter")
+        monkeypatch.setenv("ATOM_OPS_BACKEND", "paged_attention=triton,reshape_and_cache=triton")
     torch.manual_seed(0)
     sinks = torch.randn(NUM_HEADS) if with_sinks else None
     impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 1 / math.sqrt(HEAD), NUM_KV_HEADS, None, window, "auto",
                              None, "decoder", None, sinks=sinks)
     impl.process_weights_after_loading(torch.float32)
-    kv_cache = _vllm_cache(layout)
+    if layout == "get_kv_cache_shape":
+        kv_cache = torch.full(ATOMAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD), float("nan"))
+    else:
+        kv_cache = _vllm_cache(layout)
 
     # (context already cached, new tokens): a prefill, a decode, a chunk after cached context
     shapes = [(0, 6), (20, 1), (17, 9)]
