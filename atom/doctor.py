@@ -68,19 +68,7 @@ def collect() -> dict[str, Any]:
         except Exception as exc:  # pragma: no cover - GPU only
             report["device_name"] = f"unknown ({exc})"
 
-    from atom.plugin.register import select_attention_backend
-
-    class _Sel:
-        use_mla = False
-        use_sparse = False
-
-    class _SelMla(_Sel):
-        use_mla = True
-
-    report["attention"] = {
-        kind: dict(zip(("atom_backend", "reason"), select_attention_backend(cfg)))
-        for kind, cfg in (("mha", _Sel()), ("mla", _SelMla()))
-    }
+    report["attention"] = _attention_choices(found is not None)
 
     import atom.ops  # registers every op
     from atom.ops import OPS
@@ -92,6 +80,24 @@ def collect() -> dict[str, Any]:
     report["active"] = qualname is not None
     report["reason"] = reason
     return report
+
+
+def _attention_choices(vllm_installed: bool) -> dict[str, dict[str, Any]]:
+    """atom's answer for a typical decoder layer (head size 128, bf16, auto cache, block 16),
+    MHA and MLA, through the same function the platform calls."""
+    if not vllm_installed:
+        return {kind: {"atom_backend": None, "reason": "vLLM is not installed"} for kind in ("mha", "mla")}
+    import torch
+
+    from atom.plugin.register import select_attention_backend
+    from atom.plugin.vllm import compat
+
+    cls = compat.selector_config_cls()
+    base = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
+    return {
+        kind: dict(zip(("atom_backend", "reason"), select_attention_backend(cls(**base, use_mla=kind == "mla"))))
+        for kind in ("mha", "mla")
+    }
 
 
 def _patch_states(vllm_installed: bool) -> list[dict[str, str]]:

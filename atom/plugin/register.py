@@ -6,18 +6,25 @@ mode flag.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from atom import envs
 
-#: atom's attention backends for vLLM, by kind. Empty until atom's backends land; the platform
-#: then returns vLLM's own choice and says why once.
-ATTENTION_BACKENDS: dict[str, str] = {}
+#: atom's attention backends for vLLM, by kind. A kind without an entry (MLA, for now) makes the
+#: platform return vLLM's own choice and say why once.
+ATTENTION_BACKENDS: dict[str, str] = {
+    "mha": "atom.plugin.attention.ATOMAttentionBackend",
+}
 
 
 def select_attention_backend(attn_selector_config: Any) -> tuple[Optional[str], str]:
-    """(atom backend qualname or None, reason) for one vLLM ``AttentionSelectorConfig``."""
+    """(atom backend qualname or None, reason) for one vLLM ``AttentionSelectorConfig``.
+
+    vLLM asks once per distinct layer configuration (it caches the answer), so a model may mix
+    atom's backend (decoder layers it supports) with vLLM's (e.g. encoder or cross attention).
+    """
     if envs.ATOM_DISABLE_VLLM_PLUGIN_ATTENTION:
         return None, "disabled by ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1"
     kind = "mla" if getattr(attn_selector_config, "use_mla", False) else "mha"
@@ -26,6 +33,17 @@ def select_attention_backend(attn_selector_config: Any) -> tuple[Optional[str], 
         return None, f"atom has no {kind.upper()} attention backend yet"
     if getattr(attn_selector_config, "use_sparse", False):
         return None, "sparse attention is not supported by atom"
+    module_name, _, cls_name = backend.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:  # no (importable) vLLM: nothing to select for
+        return None, f"atom's {kind.upper()} backend cannot be imported ({exc})"
+    reasons = getattr(module, cls_name).unsupported_reasons(attn_selector_config)
+    if reasons:
+        return None, f"atom's {kind.upper()} backend does not support this layer: {', '.join(reasons)}"
+    taken = module.register()
+    if taken is not None:
+        return None, taken
     return backend, f"atom {kind.upper()} backend"
 
 

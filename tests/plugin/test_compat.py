@@ -45,3 +45,31 @@ def test_compilation_mode(tiny_model):
 
     cfg = EngineArgs(model=str(tiny_model("qwen3")), max_model_len=128).create_engine_config()
     assert compat.compilation_mode(cfg) is cfg.compilation_config.mode
+
+
+def test_kv_cache_as_nhd(monkeypatch):
+    import torch
+    from packaging.version import Version
+
+    blocks, heads, block_size, d = 3, 2, 4, 5
+    if not compat.has_get_kv_cache_shape():
+        # >= 0.29: vLLM's logical [B, H, N, Dk+Dv] per-layer view (here in LBNHC order)
+        physical = torch.randn(blocks, block_size, heads, 2 * d)
+        view = physical.permute(0, 2, 1, 3)
+        k, v = compat.kv_cache_as_nhd(view, d)
+        assert k.shape == v.shape == (blocks, block_size, heads, d)
+        assert torch.equal(k[1, 2, 0], view[1, 0, 2, :d]) and torch.equal(v[1, 2, 0], view[1, 0, 2, d:])
+        assert k.stride(-1) == v.stride(-1) == 1
+    # <= 0.28: the backend's own (2, B, N, H, D) tensor
+    monkeypatch.setattr(compat, "vllm_version", lambda: Version("0.26.0"))
+    cache = torch.randn(2, blocks, block_size, heads, d)
+    k, v = compat.kv_cache_as_nhd(cache, d)
+    assert torch.equal(k, cache[0]) and torch.equal(v, cache[1])
+
+
+def test_layer_calls_kv_cache_update():
+    import inspect
+
+    layer = importlib.import_module(compat.attention_layer_module()).Attention
+    calls_it = "forward_includes_kv_cache_update" in inspect.getsource(layer.forward)
+    assert calls_it == compat.layer_calls_kv_cache_update()

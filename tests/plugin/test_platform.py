@@ -81,3 +81,27 @@ def test_unsupported_vllm_version_warns_once_and_stays_off(monkeypatch):
     assert "ATOM_ALLOW_UNSUPPORTED_VLLM=1" in proc.stderr
     proc = run_python(code, env={"ATOM_ALLOW_UNSUPPORTED_VLLM": "1"})
     assert "RESULT atom.plugin.vllm.platform_cpu.ATOMCpuPlatform" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_attention_backend_choice_through_the_platform():
+    proc = run_python("""
+        import torch
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+        base = dict(head_size=64, dtype=torch.float32, kv_cache_dtype="auto", block_size=128)
+        for name, cfg in (("decoder", AttentionSelectorConfig(**base)),
+                          ("encoder", AttentionSelectorConfig(**base, attn_type="encoder_only"))):
+            print("CHOICE", name, current_platform.get_attn_backend_cls(None, cfg))
+        current_platform.get_attn_backend_cls(None, AttentionSelectorConfig(**base))  # logged once
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+        print("CHOICE requested", current_platform.get_attn_backend_cls(E.CPU_ATTN, AttentionSelectorConfig(**base)))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CHOICE decoder atom.plugin.attention.ATOMAttentionBackend" in proc.stdout
+    assert "CHOICE encoder vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend" in proc.stdout
+    assert proc.stderr.count("atom attention backend ATOMAttentionBackend selected") == 1
+    # an explicit --attention-backend wins
+    assert "CHOICE requested vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend" in proc.stdout
+    assert "atom attention not used (attention backend CPU_ATTN requested)" in proc.stderr
+    assert ("atom attention not used (atom's MHA backend does not support this layer: "
+            "attention type encoder_only not supported); vLLM's CPUAttentionBackend instead") in proc.stderr

@@ -31,11 +31,16 @@ class ATOMPlatform:
         num_heads: Optional[int] = None,
     ) -> str:
         """atom's MLA backend when ``use_mla``, atom's MHA backend otherwise; the parent's answer
-        when ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1 or atom does not support the configuration
-        (the reason is logged once)."""
+        when ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1, when the user asked for another backend, or
+        when atom does not support the configuration (the reason is logged once)."""
         from atom.plugin.register import select_attention_backend
 
-        choice, why = select_attention_backend(attn_selector_config)
+        requested = getattr(selected_backend, "name", None)
+        if requested is not None and requested != "CUSTOM":
+            # The user named a backend (--attention-backend / attention_config.backend): theirs.
+            choice, why = None, f"attention backend {requested} requested"
+        else:
+            choice, why = select_attention_backend(attn_selector_config)
         if choice is not None:
             info_once(f"attn:{choice}", f"atom attention backend {choice.rpartition('.')[2]} selected", logger)
             return choice

@@ -1,0 +1,93 @@
+"""End to end on vLLM-CPU: the same greedy tokens with atom's attention backend as with vLLM's
+own (``ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1``), on batches that mix prefill chunks and decodes.
+
+atom's side runs in this process (the shared ``vllm_engine`` fixture); vLLM's side in a fresh
+interpreter, because plugins read the environment once per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from tests.attention import _runner as runner
+from tests.conftest import run_python
+
+# With max_num_batched_tokens=32 the 45/70/101-token prompts are prefilled in chunks while the
+# short ones already decode; the two prompts sharing 40 tokens exercise prefix-cache hits
+# (attention over cached context the step did not write).
+PROMPT_LENGTHS = (1, 4, 13, 45, 70, 101)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+    shared = prompts[3][:40]
+    prompts.append(shared + [rng.randrange(3, 1000) for _ in range(7)])
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model):
+    return tiny_model("qwen3", "float32")
+
+
+@pytest.fixture(scope="module")
+def fallback(checkpoint, tmp_path_factory):
+    """vLLM's own attention under atom's platform and model (one fresh interpreter)."""
+    work = tmp_path_factory.mktemp("attn-fallback")
+    (work / "prompts.json").write_text(json.dumps(_prompts()))
+    proc = run_python(
+        f"""
+        import sys
+        from tests.attention._runner import main
+        sys.exit(main([{str(checkpoint)!r}, {str(work / 'prompts.json')!r}, {str(work / 'out.json')!r}]))
+        """,
+        env={**runner.ENGINE_ENV, "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((work / "out.json").read_text()), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def atom_side(checkpoint, vllm_engine):
+    if os.environ.get("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", "0") not in ("", "0") or \
+            os.environ.get("ATOM_DISABLE_VLLM_PLUGIN", "0") not in ("", "0"):
+        pytest.skip("atom's attention is disabled for this test process")
+    from vllm import SamplingParams
+
+    llm = vllm_engine(checkpoint, **runner.ENGINE_KWARGS)
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    assert scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max(PROMPT_LENGTHS)
+    impls = runner.attention_impls(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=runner.NEW_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    rows = [{"tokens": list(o.outputs[0].token_ids),
+             "logprobs": [float(e[t].logprob) for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+            for o in outputs]
+    return {"impls": impls, "rows": rows}
+
+
+def test_atom_backend_is_used(atom_side):
+    assert atom_side["impls"] == ["ATOMAttentionImpl"]
+
+
+def test_same_greedy_tokens_as_vllm_attention(atom_side, fallback):
+    stock, _ = fallback
+    assert stock["impls"] == ["CPUAttentionBackendImpl"]
+    assert len(atom_side["rows"]) == len(stock["rows"]) == len(_prompts())
+    for i, (ours, theirs) in enumerate(zip(atom_side["rows"], stock["rows"])):
+        assert ours["tokens"] == theirs["tokens"], f"prompt {i} (length {len(_prompts()[i])})"
+        # fp32 on both sides: measured max |d logprob| ~1e-6.
+        diff = max(abs(a - b) for a, b in zip(ours["logprobs"], theirs["logprobs"]))
+        assert diff < 1e-3, f"prompt {i}: logprobs differ by {diff}"
+
+
+def test_disabled_falls_back_with_one_log_line(fallback):
+    _, stderr = fallback
+    line = "atom attention not used (disabled by ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1); vLLM's CPUAttentionBackend instead"
+    assert stderr.count(line) == 1, stderr[-3000:]
+    assert "atom attention backend ATOMAttentionBackend selected" not in stderr

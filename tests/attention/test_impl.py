@@ -1,0 +1,157 @@
+"""``ATOMAttentionImpl`` called the way vLLM's layer calls it (``do_kv_cache_update`` then
+``forward``) on a KV cache laid out the way vLLM allocates it, against a dense attention written
+out in the test: GQA, sliding window, sinks, mixed prefill / chunked prefill / decode rows."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from atom.plugin.attention import ATOMAttentionBackend, ATOMAttentionImpl, ATOMAttentionMetadata
+from atom.plugin.vllm import compat
+
+NUM_HEADS, NUM_KV_HEADS, HEAD = 4, 2, 32
+BLOCK, NUM_BLOCKS = 16, 12
+LAYER = SimpleNamespace()  # the impl reads nothing from the layer (no fp8 scales)
+
+
+def _vllm_cache(layout_name: str) -> torch.Tensor:
+    """vLLM >= 0.29: a logical [B, H, N, 2D] view whose physical order is the layout's."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    order = KVCacheLayout[layout_name].layer_view_order  # physical order of the [B, H, N, C] axes
+    logical = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK, 2 * HEAD)
+    physical = torch.full([logical[i] for i in order], float("nan"))
+    inverse = [order.index(i) for i in range(4)]
+    view = physical.permute(*inverse)
+    assert view.shape == logical
+    return view
+
+
+def _dense(q, k, v, q_len, scale, window, sinks):
+    """Plain attention of the last q_len positions over all len(k) positions."""
+    seq_len = k.shape[0]
+    group = NUM_HEADS // NUM_KV_HEADS
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = torch.empty_like(q)
+    for i in range(q_len):
+        p = seq_len - q_len + i
+        lo = max(0, p - window + 1) if window else 0
+        s = torch.einsum("hd,khd->hk", q[i], k[lo:p + 1]) * scale
+        if sinks is not None:
+            s = torch.cat([s, sinks[:, None]], 1)
+        w = torch.softmax(s, -1)[:, : p + 1 - lo]
+        out[i] = torch.einsum("hk,khd->hd", w, v[lo:p + 1])
+    return out
+
+
+_CASES = [
+    pytest.param(layout, window, sinks, "auto", id=f"{layout}-w{window}-sinks{int(sinks)}")
+    for layout in ("LBNHC", "LBHNC", "BLNHC")
+    for window, sinks in ((None, False), (7, False), (None, True), (5, True))
+] + [
+    # atom's Triton kernels through the impl (interpreted on CPU): the GPU code path's indexing
+    # of vLLM's strided cache views, on a token-major and a head-major layout.
+    pytest.param(layout, 5, True, "triton", id=f"{layout}-w5-sinks1-triton") for layout in ("LBNHC", "LBHNC")
+] + [
+    # vLLM <= 0.28 allocates get_kv_cache_shape's tensor (the release is simulated here)
+    pytest.param("get_kv_cache_shape", 5, True, "auto", id="0.26-shape-w5-sinks1"),
+]
+
+
+@pytest.mark.parametrize("layout,window,with_sinks,ops_backend", _CASES)
+def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, monkeypatch):
+    if layout == "get_kv_cache_shape":
+        from packaging.version import Version
+
+        monkeypatch.setattr(compat, "vllm_version", lambda: Version("0.26.0"))
+    elif compat.has_get_kv_cache_shape():
+        pytest.skip("vLLM <= 0.28 hands the backend its own get_kv_cache_shape tensor")
+    if ops_backend == "triton":
+        import os
+
+        from atom.ops._dispatch import triton_available
+
+        if not torch.cuda.is_available() and (not triton_available() or os.environ.get("TRITON_INTERPRET") != "1"):
+            pytest.skip("needs a GPU or Triton's interpreter")
+        monkeypatch.setenv("ATOM_OPS_BACKEND", "paged_attention=triton,reshape_and_cache=triton")
+    torch.manual_seed(0)
+    sinks = torch.randn(NUM_HEADS) if with_sinks else None
+    impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 1 / math.sqrt(HEAD), NUM_KV_HEADS, None, window, "auto",
+                             None, "decoder", None, sinks=sinks)
+    impl.process_weights_after_loading(torch.float32)
+    if layout == "get_kv_cache_shape":
+        kv_cache = torch.full(ATOMAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD), float("nan"))
+    else:
+        kv_cache = _vllm_cache(layout)
+
+    # (context already cached, new tokens): a prefill, a decode, a chunk after cached context
+    shapes = [(0, 6), (20, 1), (17, 9)]
+    blocks = torch.randperm(NUM_BLOCKS, dtype=torch.int32)
+    block_table = torch.stack([blocks[0:4], blocks[4:8], blocks[8:12]])
+    full_k = [torch.randn(c + n, NUM_KV_HEADS, HEAD) for c, n in shapes]
+    full_v = [torch.randn(c + n, NUM_KV_HEADS, HEAD) for c, n in shapes]
+
+    def slots(s, positions):
+        return torch.tensor([int(block_table[s, p // BLOCK]) * BLOCK + p % BLOCK for p in positions])
+
+    # earlier steps' tokens, written through the same hook vLLM calls
+    for s, (c, _) in enumerate(shapes):
+        if c:
+            impl.do_kv_cache_update(LAYER, full_k[s][:c], full_v[s][:c], kv_cache, slots(s, range(c)))
+
+    new_k = torch.cat([full_k[s][c:] for s, (c, _) in enumerate(shapes)])
+    new_v = torch.cat([full_v[s][c:] for s, (c, _) in enumerate(shapes)])
+    slot_mapping = torch.cat([slots(s, range(c, c + n)) for s, (c, n) in enumerate(shapes)])
+    num_tokens = new_k.shape[0]
+    q = torch.randn(num_tokens + 3, NUM_HEADS, HEAD)  # +3 padding rows, as vLLM may pass
+    pad = torch.zeros(3, NUM_KV_HEADS, HEAD)
+    impl.do_kv_cache_update(LAYER, torch.cat([new_k, pad]), torch.cat([new_v, pad]), kv_cache, slot_mapping)
+
+    q_lens = [n for _, n in shapes]
+    md = ATOMAttentionMetadata(
+        num_actual_tokens=num_tokens, num_reqs=3, max_query_len=max(q_lens),
+        max_seq_len=max(c + n for c, n in shapes),
+        query_start_loc=torch.tensor([0, 6, 7, 16], dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for c, n in shapes], dtype=torch.int32),
+        block_table=block_table, slot_mapping=slot_mapping,
+    )
+    output = torch.full_like(q, float("nan"))
+    assert impl.forward(LAYER, q, new_k, new_v, kv_cache, md, output) is output
+
+    start = 0
+    for s, (c, n) in enumerate(shapes):
+        want = _dense(q[start:start + n], full_k[s], full_v[s], n, impl.scale, window, sinks)
+        torch.testing.assert_close(output[start:start + n], want, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_cache_split_for_the_0_26_shape(monkeypatch):
+    """vLLM <= 0.28 allocates ``get_kv_cache_shape``'s tensor; the impl reads key/value halves."""
+    from packaging.version import Version
+
+    monkeypatch.setattr(compat, "vllm_version", lambda: Version("0.26.0"))
+    cache = torch.zeros(ATOMAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD))
+    k, v = compat.kv_cache_as_nhd(cache, HEAD)
+    assert k.shape == v.shape == (NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD)
+    assert k.data_ptr() == cache[0].data_ptr() and v.data_ptr() == cache[1].data_ptr()
+
+
+def test_profiling_run_without_metadata_returns_zeros():
+    impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 0.1, NUM_KV_HEADS)
+    out = torch.full((2, NUM_HEADS, HEAD), float("nan"))
+    assert torch.equal(impl.forward(LAYER, out, None, None, torch.empty(0), None, out), torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"alibi_slopes": [1.0] * NUM_HEADS}, "ALiBi"),
+    ({"logits_soft_cap": 30.0}, "soft-cap"),
+    ({"attn_type": "encoder"}, "decoder attention"),
+    ({"kv_cache_dtype": "fp8"}, "fp8 KV cache"),
+])
+def test_impl_refuses_what_the_selector_cannot_see(kw, match):
+    with pytest.raises(NotImplementedError, match=match):
+        ATOMAttentionImpl(NUM_HEADS, HEAD, 0.1, NUM_KV_HEADS, **kw)
