@@ -184,3 +184,47 @@ def test_parallel_ranks_match_single_rank(tp: int, ep: Optional[int], hf_checkpo
         assert experts.expert_map.tolist() == expected_map
     for rank, logits in enumerate(results):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4, msg=f"rank {rank}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_moe_layer_expert_parallel_partial_sums(backend, monkeypatch):
+    """The layer alone on each atom.ops backend (Triton through its interpreter on CPU): loading
+    per-expert matrices and the EP ranks' expert_map partial sums add up to the one-rank output."""
+    from atom.models._moe import DOWN, GATE, UP, FusedMoE
+    from atom.models.interfaces import ModelParallel
+
+    monkeypatch.setenv("ATOM_OPS_BACKEND", backend)
+    n, hidden, inter = 8, 64, 32
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(n, 2 * inter, hidden) * 0.1, torch.randn(n, hidden, inter) * 0.1
+    x, router_logits = torch.randn(37, hidden), torch.randn(37, n)
+
+    def layer(rank: int, size: int) -> FusedMoE:
+        group = ThreadGroup(size).rank(rank) if size > 1 else None  # unused: see reduce_group below
+        moe = FusedMoE(n, 2, hidden, inter, ModelParallel(ep_rank=rank, ep_size=size, ep_group=group),
+                       renormalize=True, use_expert_parallel=True)
+        for e in range(n):
+            moe.load_weight("w13", w13[e, :inter], (e, GATE))
+            moe.load_weight("w13", w13[e, inter:], (e, UP))
+            moe.load_weight("w2", w2[e], (e, DOWN))
+        return moe
+
+    with torch.no_grad():
+        expected = layer(0, 1)(x, router_logits)
+        partial = [layer(r, 2) for r in range(2)]
+        for moe in partial:
+            moe.reduce_group = None  # each rank's own partial sum, before the all-reduce
+        got = sum(moe(x, router_logits) for moe in partial)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_wrapper_passes_vllm_ep_group():
+    from types import SimpleNamespace
+
+    from atom.plugin.vllm.model_wrapper import model_parallel
+
+    tp, ep = object(), SimpleNamespace(rank_in_group=1, world_size=2, all_reduce=None, all_gather=None)
+    dense = model_parallel(SimpleNamespace(tp_rank=1, tp_size=2, tp_group=tp, ep_group=None))
+    assert (dense.tp_rank, dense.tp_size, dense.tp_group, dense.ep_size, dense.ep_group) == (1, 2, tp, 1, None)
+    moe = model_parallel(SimpleNamespace(tp_rank=1, tp_size=2, tp_group=tp, ep_group=ep))
+    assert (moe.tp_rank, moe.ep_rank, moe.ep_size, moe.ep_group) == (1, 1, 2, ep)
