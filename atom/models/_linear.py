@@ -147,6 +147,18 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.input_size}, local_out={self.local_output_size}, shards={shards}"
 
 
+class ReplicatedLinear(nn.Module):
+    """``y = x @ W.T``, the whole matrix on every rank (small layers such as an MoE router,
+    whose output every rank needs in full). Loaded by a plain copy."""
+
+    def __init__(self, input_size: int, output_size: int, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.weight = _new_param(output_size, input_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_r @ W_r.T) (+ b)``: ``x_r`` is this rank's slice of the input features
     (the output of a column-parallel layer), ``W_r`` the matching columns."""

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-#: (fused module name, checkpoint module name, shard id), e.g. ("qkv_proj", "q_proj", "q").
+#: (fused module name, checkpoint module name, shard id), e.g. ("qkv_proj", "q_proj", "q"), or
+#: a whole tensor into a stacked parameter: ("experts.w13", "experts.3.gate_proj.weight", (3, 0)).
 StackedParams = Sequence[tuple[str, str, Hashable]]
 
 
@@ -42,9 +43,12 @@ def load_checkpoint_weights(
             if skip is not None and skip(name):
                 continue
             target, shard_id, fused_name = name, None, None
+            # Matched on whole dotted components; the trailing dot lets a part name the tensor
+            # itself (``experts.3.gate_proj.weight`` -> the stacked parameter ``experts.w13``).
+            dotted = f"{name}."
             for fused, part, sid in stacked:
-                if f".{part}." in name:
-                    target, shard_id, fused_name = name.replace(f".{part}.", f".{fused}."), sid, fused
+                if f".{part}." in dotted:
+                    target, shard_id, fused_name = dotted.replace(f".{part}.", f".{fused}.")[:-1], sid, fused
                     break
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")

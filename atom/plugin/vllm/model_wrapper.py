@@ -21,6 +21,7 @@ Only this module (and the rest of ``atom.plugin``) knows vLLM; atom's models nev
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -114,6 +115,16 @@ def resolve_model_class(qualname: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def model_parallel(groups: Any) -> ModelParallel:
+    """atom's view of vLLM's groups: TP position and group, plus vLLM's EP group (a
+    ``GroupCoordinator``; vLLM creates it for MoE models only)."""
+    tp = ModelParallel.of(groups)
+    ep = getattr(groups, "ep_group", None)
+    if ep is None:
+        return tp
+    return dataclasses.replace(tp, ep_rank=int(ep.rank_in_group), ep_size=int(ep.world_size), ep_group=ep)
+
+
 class ATOMModelBase(nn.Module):
     """A vLLM model that runs an atom model (chosen by HF architecture from the arch table)."""
 
@@ -133,6 +144,14 @@ class ATOMModelBase(nn.Module):
                 f"{vllm_config.model_config.quantization!r}); set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model"
             )
 
+        par = vllm_config.parallel_config
+        if par.enable_expert_parallel and (par.data_parallel_size > 1
+                                           or getattr(par, "prefill_context_parallel_size", 1) > 1):
+            # atom's MoE layers all-reduce over the EP group, which assumes every EP rank holds
+            # the same tokens: true only when the EP group is the TP group.
+            raise NotImplementedError("atom's expert parallelism needs data_parallel_size == 1; "
+                                      "set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model")
+
         groups = vllm_parallel_groups()
         self.atom_config = atom_config_from_vllm(vllm_config)
         self.plugin_config = plugin_config_from_vllm(vllm_config, rank=groups.tp_rank)
@@ -141,7 +160,7 @@ class ATOMModelBase(nn.Module):
             self.atom_config,
             make_attention=VllmAttentionFactory(self.plugin_config.vllm_cache_config,
                                                 self.plugin_config.vllm_quant_config),
-            parallel=ModelParallel.of(groups),
+            parallel=model_parallel(groups),
             prefix=prefix,
         )
         missing = missing_causal_lm_members(model)
@@ -200,5 +219,6 @@ class ATOMForCausalLM(ATOMModelBase):
 
 
 class ATOMMoEForCausalLM(ATOMModelBase):
-    """Mixture-of-experts models (Qwen3-MoE, DeepSeek-V3, ...); the expert-parallel interfaces
-    vLLM asks of MoE models (EPLB) arrive with the first atom MoE model."""
+    """Mixture-of-experts models (Qwen3-MoE, ...). Expert parallelism follows vLLM's
+    ``enable_expert_parallel`` (atom Config field of the same name, vLLM's EP group); vLLM's
+    expert-load balancing (EPLB, the ``MixtureOfExperts`` interface) is not implemented."""

@@ -1,0 +1,78 @@
+"""Qwen3-MoE: atom's implementation of HF ``Qwen3MoeForCausalLM``.
+
+Identical to Qwen3 dense (:mod:`atom.models.qwen3`: QK-norm attention, fused norms, vocab-parallel
+embedding and head, tied head) except for the feed-forward block of the sparse layers: a router
+linear (no bias) -> softmax top-k (renormalised when ``norm_topk_prob``) -> SwiGLU experts
+(:class:`atom.models._moe.FusedMoE`). Layer i is sparse unless it is in ``mlp_only_layers`` or
+``(i + 1) % decoder_sparse_step != 0``; dense layers use Qwen3's MLP with ``intermediate_size``.
+
+Parallelism: attention as in Qwen3; experts split per expert across the TP group, or, with the
+config's ``enable_expert_parallel``, whole experts split across the EP group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from atom.config import Config
+from atom.models._linear import ReplicatedLinear
+from atom.models._loading import StackedParams
+from atom.models._moe import FusedMoE
+from atom.models.interfaces import ModelParallel
+from atom.models.qwen3 import STACKED_PARAMS, Qwen3ForCausalLM
+
+
+def num_experts(hf_config: Any) -> int:
+    # transformers writes the count as ``num_local_experts`` in config.json (aliased to
+    # ``num_experts`` on its config object); a plain namespace may carry either.
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0) or 0)
+
+
+def is_sparse_layer(hf_config: Any, layer_idx: int) -> bool:
+    """HF's rule for which decoder layers route through experts."""
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    return (
+        layer_idx not in (getattr(hf_config, "mlp_only_layers", None) or [])
+        and num_experts(hf_config) > 0
+        and (layer_idx + 1) % step == 0
+    )
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    """HF names: ``mlp.gate.weight`` (router), ``mlp.experts.{e}.{gate,up,down}_proj.weight``."""
+
+    def __init__(self, hf_config: Any, parallel: ModelParallel, use_expert_parallel: bool,
+                 dtype: Optional[torch.dtype]) -> None:
+        super().__init__()
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"atom's Qwen3-MoE experts implement hidden_act='silu', not {act!r}")
+        n = num_experts(hf_config)
+        # Replicated: every rank routes every token itself, so no collective precedes the experts.
+        self.gate = ReplicatedLinear(hf_config.hidden_size, n, dtype=dtype)
+        self.experts = FusedMoE(
+            n, hf_config.num_experts_per_tok, hf_config.hidden_size, hf_config.moe_intermediate_size, parallel,
+            renormalize=bool(getattr(hf_config, "norm_topk_prob", True)),
+            use_expert_parallel=use_expert_parallel, dtype=dtype,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden_states, self.gate(hidden_states))
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """HF ``Qwen3MoeForCausalLM``; constructor arguments as :class:`Qwen3ForCausalLM`.
+    ``config.enable_expert_parallel`` selects expert parallelism over ``parallel.ep_group``."""
+
+    def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> Optional[nn.Module]:
+        if not is_sparse_layer(config.hf_config, layer_idx):
+            return None
+        return Qwen3MoeSparseMoeBlock(config.hf_config, parallel, config.enable_expert_parallel, config.dtype)
+
+    def stacked_params(self) -> StackedParams:
+        # Expert entries first: ``experts.3.gate_proj`` would otherwise match the dense
+        # ``gate_proj`` -> ``gate_up_proj`` entry.
+        return [*FusedMoE.checkpoint_params(num_experts(self.hf_config)), *STACKED_PARAMS]

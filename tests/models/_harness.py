@@ -1,0 +1,177 @@
+"""What the model tests share: the comparisons of an atom engine run with a stock vLLM run, the
+model-alone attention stand-in, and in-process "ranks" for tensor/expert-parallel checks.
+
+The engine fixtures built on these live in ``tests/models/conftest.py``; a test module provides
+``checkpoint`` and ``prompts``.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterable
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+#: One batch of prompts of very different lengths (prefill and decode mixed in one step).
+PROMPT_LENGTHS = (1, 2, 5, 9, 17, 28, 43, 60)
+
+
+def mixed_prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def max_diff(a: list[Optional[float]], b: list[Optional[float]]) -> float:
+    pairs = [(x, y) for x, y in zip(a, b, strict=True)]
+    assert all(x is not None and y is not None for x, y in pairs)
+    return max((abs(x - y) for x, y in pairs), default=0.0)
+
+
+def engine_facts(llm: Any) -> dict[str, Any]:
+    """Which classes vLLM built, and whether atom's attention layers are vLLM's registered ones."""
+    context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+
+    def facts(model: nn.Module) -> dict[str, Any]:
+        attn = [m for name, m in model.named_modules() if name.endswith("self_attn.attn")]
+        inner = getattr(model, "model", None)
+        return {
+            "wrapper": f"{type(model).__module__}:{type(model).__qualname__}",
+            "atom_model": f"{type(inner).__module__}:{type(inner).__qualname__}",
+            "attention": sorted({f"{type(m).__module__}:{type(m).__qualname__}" for m in attn}),
+            "registered": sorted(k for k, v in context.items() if any(v is m for m in attn)),
+            "modules": sorted({f"{type(m).__module__}:{type(m).__qualname__}" for m in model.modules()}),
+        }
+
+    return llm.apply_model(facts)[0]
+
+
+def assert_same_greedy_run(ours: dict, theirs: dict, logprob_atol: float) -> None:
+    """fp32: identical tokens, and logprobs (sampled and teacher-forced) within ``logprob_atol``."""
+    assert [r["tokens"] for r in ours["rows"]] == [r["tokens"] for r in theirs["rows"]]
+    for a, b in zip(ours["rows"], theirs["rows"]):
+        assert max_diff(a["logprobs"], b["logprobs"]) < logprob_atol
+        assert max_diff(a["prompt_logprobs"], b["prompt_logprobs"]) < logprob_atol
+
+
+def assert_close_greedy_run(ours: dict, theirs: dict, logprob_atol: float, *, prompt_atol: Optional[float] = None,
+                            prompt_mean_atol: Optional[float] = None, min_agreeing: float = 0.75) -> None:
+    """bf16: teacher-forced prompt logprobs at every position (max within ``prompt_atol``,
+    default ``logprob_atol``; mean within ``prompt_mean_atol`` if given), and the sampled tokens'
+    logprobs while both greedy continuations agree (bf16 rounding may legitimately flip a
+    near-tie later); at least ``min_agreeing`` of all tokens before the first divergence."""
+    prompt_atol = logprob_atol if prompt_atol is None else prompt_atol
+    agreeing, prompt_diffs = 0, []
+    for a, b in zip(ours["rows"], theirs["rows"]):
+        assert max_diff(a["prompt_logprobs"], b["prompt_logprobs"]) < prompt_atol
+        prompt_diffs += [abs(x - y) for x, y in zip(a["prompt_logprobs"], b["prompt_logprobs"])]
+        n = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
+        agreeing += n
+        assert max_diff(a["logprobs"][:n], b["logprobs"][:n]) < logprob_atol
+    if prompt_mean_atol is not None:
+        assert sum(prompt_diffs) / len(prompt_diffs) < prompt_mean_atol
+    assert agreeing >= min_agreeing * sum(len(r["tokens"]) for r in ours["rows"])
+
+
+class CausalSelfAttention(nn.Module):
+    """The attention an :class:`AttentionFactory` returns, for one unpadded sequence (no cache)."""
+
+    def __init__(self, *, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, prefix: str,
+                 sliding_window: Optional[int] = None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t, group = q.shape[0], self.num_heads // self.num_kv_heads
+        q = q.reshape(t, self.num_heads, self.head_dim).transpose(0, 1)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim).transpose(0, 1).repeat_interleave(group, 0)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim).transpose(0, 1).repeat_interleave(group, 0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return o.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+
+
+def widen_init(model: nn.Module) -> nn.Module:
+    """Re-draw an HF model's weights wider than HF's init, so logits (and expert routes) are
+    well separated and comparisons test the math rather than near-ties."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08 if p.dim() >= 2 else 0.5).add_(1.0 if p.dim() == 1 else 0.0)
+    return model.eval()
+
+
+def build_atom_model(model_cls: type, hf_config: Any, tensors: Iterable[tuple[str, torch.Tensor]],
+                     parallel: Any = None, **config: Any) -> nn.Module:
+    """An atom model alone (no host): :class:`CausalSelfAttention`, fp32, loaded from HF-named
+    ``tensors``; every parameter must be loaded. ``config`` overrides atom Config fields."""
+    from atom.config import Config
+    from atom.models.interfaces import ModelParallel
+
+    cfg = Config(model="tiny", max_num_batched_tokens=256, max_num_seqs=1, max_model_len=256,
+                 gpu_memory_utilization=0.0, hf_config=hf_config, dtype=torch.float32, **config)
+    model = model_cls(cfg, make_attention=CausalSelfAttention, parallel=parallel or ModelParallel())
+    loaded = model.load_weights(tensors)
+    assert loaded == {n for n, _ in model.named_parameters()}
+    return model.eval()
+
+
+def full_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of one sequence through an atom model alone."""
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(len(ids))))
+
+
+class ThreadGroup:
+    """vLLM's TP collectives (sum all-reduce, concatenating all-gather) for ranks running as
+    threads of this process: enough to check atom's sharding math without processes."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.slots, self.barrier = size, [None] * size, threading.Barrier(size, timeout=60)
+
+    def rank(self, rank: int) -> "ThreadGroup._Rank":
+        return self._Rank(self, rank)
+
+    class _Rank:
+        def __init__(self, group: "ThreadGroup", rank: int) -> None:
+            self.group, self.r = group, rank
+
+        def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+            g = self.group
+            g.slots[self.r] = x
+            g.barrier.wait()
+            parts = list(g.slots)
+            g.barrier.wait()  # nobody overwrites a slot before every rank has read them all
+            return parts
+
+        def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+            return torch.stack(self._exchange(input_)).sum(0)
+
+        def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+            return torch.cat(self._exchange(input_), dim=dim)
+
+
+def run_ranks(group: ThreadGroup, step: Callable[[int], Any]) -> list[Any]:
+    """``step(rank)`` on one thread per rank of ``group``; returns the results in rank order and
+    re-raises the first rank's failure (a dead rank aborts the barrier so the others stop too)."""
+    results: list[Any] = [None] * group.size
+
+    def run(rank: int) -> None:
+        try:
+            with torch.no_grad():
+                results[rank] = step(rank)
+        except BaseException as exc:
+            group.barrier.abort()
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(group.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank, result in enumerate(results):
+        if isinstance(result, BaseException):
+            raise AssertionError(f"rank {rank} failed") from result
+    return results
