@@ -6,8 +6,9 @@
 #   demo     scripts/demo.py (atom on vs off)  -> $OUT/demo.txt
 #   tests    GPU-marked tests                  -> $OUT/gpu_tests.txt
 #   ops      bench/ops_memory.py + bench/ops_compute.py -> $OUT/ops_*.txt/json
-#   e2e      ../shared/gpu/bench_vllm_baseline.py (carried in .stage/tools) on its dense Qwen3,
-#            stock (ATOM_DISABLE_VLLM_PLUGIN=1) then atom, same process settings -> $OUT/e2e
+#   e2e      ../shared/gpu/bench_vllm_baseline.py (carried in .stage/tools) on its dense Qwen3
+#            (E2E_MODEL=tiny-qwen3moe for the MoE one), stock (ATOM_DISABLE_VLLM_PLUGIN=1) then
+#            atom, same process settings -> $OUT/e2e
 # Results land under $OUT, which the device tool brings back.
 set -uo pipefail
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
@@ -26,8 +27,9 @@ for step in "$@"; do
              python3 $B build --out /tmp/models > /dev/null 2>&1
              for side in stock atom; do
                  if [ $side = stock ]; then export ATOM_DISABLE_VLLM_PLUGIN=1; else unset ATOM_DISABLE_VLLM_PLUGIN; fi
-                 timeout 280 python3 $B run --model /tmp/models/tiny-qwen3 --json "$OUT/e2e/qwen3_$side.json" > "$OUT/e2e/qwen3_$side.log" 2>&1
-                 grep -E "atom\]|tok/s|ms/token|Error" "$OUT/e2e/qwen3_$side.log" | tail -8
+                 m="${E2E_MODEL:-tiny-qwen3}"
+                 timeout 280 python3 $B run --model /tmp/models/$m --json "$OUT/e2e/${m}_$side.json" > "$OUT/e2e/${m}_$side.log" 2>&1
+                 grep -E "atom\]|tok/s|ms/token|Error" "$OUT/e2e/${m}_$side.log" | tail -8
              done; unset ATOM_DISABLE_VLLM_PLUGIN ;;
         *) echo "unknown step $step" ;;
     esac
