@@ -17,6 +17,7 @@ Precedence where a caller also takes an explicit argument: argument > environmen
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -97,7 +98,15 @@ class EnvVar:
         raw = env.get(self.name)
         if raw is None or raw.strip() == "":
             raw = self.default
-        return self.parse(self.name, raw)
+        return _parsed(self, raw)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(var: EnvVar, raw: str) -> Any:
+    # The environment is read on every access (never frozen); only the parse of a given raw
+    # string is memoised, because some variables (ATOM_OPS_BACKEND) are consulted per op call.
+    # Parsed values are treated as read-only (tuples, and dicts nobody mutates).
+    return var.parse(var.name, raw)
 
 
 _BOOL = "0, 1, true, false, yes, no, on, off"

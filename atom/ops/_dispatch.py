@@ -80,8 +80,10 @@ class Op:
         self._impls = {"torch": self.torch_impl, "triton": self.triton_impl, "aiter": self.aiter_impl}
 
     # -- selection ---------------------------------------------------------------------------
-    def _why_not(self, backend: str, args: tuple, kwargs: dict, forced: bool = False) -> Optional[str]:
-        """None when ``backend`` can run these arguments, else the reason it cannot.
+    def _why_not(self, backend: str, device_type: Optional[str], forced: bool,
+                 call: Optional[tuple[tuple, dict]] = None) -> Optional[str]:
+        """None when ``backend`` can run on ``device_type`` (None: no tensor argument) and, when
+        ``call`` = (args, kwargs) is given, these arguments; else the reason it cannot.
 
         The Triton interpreter (TRITON_INTERPRET=1) runs Triton on CPU tensors only when the
         backend is asked for explicitly (``run``, ``ATOM_OPS_BACKEND``): ``auto`` never picks a
@@ -90,27 +92,28 @@ class Op:
             return None
         if self._impls[backend] is None:
             return f"atom has no {backend} implementation of {self.name}"
-        t = _first_tensor(args, kwargs)
         if backend == "aiter":
             if not aiter_available():
                 return "aiter is not installed or torch is not a ROCm build"
-            if t is not None and t.device.type != "cuda":
-                return f"tensors are on {t.device.type}, aiter needs a ROCm GPU"
+            if device_type not in (None, "cuda"):
+                return f"tensors are on {device_type}, aiter needs a ROCm GPU"
             check = self.aiter_supports
         else:
             if not triton_available():
                 return "triton is not installed"
-            if t is not None and t.device.type != "cuda" and not (forced and triton_interpreting()):
-                return f"tensors are on {t.device.type} (set TRITON_INTERPRET=1 to run Triton on CPU)"
+            if device_type not in (None, "cuda") and not (forced and triton_interpreting()):
+                return f"tensors are on {device_type} (set TRITON_INTERPRET=1 to run Triton on CPU)"
             check = self.triton_supports
-        return check(*args, **kwargs) if check is not None else None
+        if call is None or check is None:
+            return None
+        return check(*call[0], **call[1])
 
-    def backend_for(self, *args: Any, **kwargs: Any) -> tuple[str, str]:
-        """(backend, reason) that a call with these arguments would use."""
+    def _choose(self, device_type: Optional[str], call: Optional[tuple[tuple, dict]]) -> tuple[str, str]:
+        """(backend, reason): the forced backend (raising if it cannot run) or auto's first fit."""
         forced = envs.ATOM_OPS_BACKEND
         choice = forced.get(self.name, forced.get("*", "auto"))
         if choice != "auto":
-            why = self._why_not(choice, args, kwargs, forced=True)
+            why = self._why_not(choice, device_type, True, call)
             if why is not None:
                 raise BackendUnavailable(
                     f"ATOM_OPS_BACKEND forces {choice} for op {self.name}, but it cannot run: {why}"
@@ -118,43 +121,25 @@ class Op:
             return choice, f"forced by ATOM_OPS_BACKEND={choice}"
         reasons = []
         for backend in BACKENDS:
-            why = self._why_not(backend, args, kwargs)
+            why = self._why_not(backend, device_type, False, call)
             if why is None:
-                prefix = "; ".join(reasons)
-                return backend, (f"auto ({prefix})" if prefix else "auto")
+                return backend, ("auto (" + "; ".join(reasons) + ")") if reasons else "auto"
             reasons.append(f"not {backend}: {why}")
         raise AssertionError("unreachable: torch always runs")
 
+    def backend_for(self, *args: Any, **kwargs: Any) -> tuple[str, str]:
+        """(backend, reason) that a call with these arguments would use."""
+        t = _first_tensor(args, kwargs)
+        return self._choose(None if t is None else t.device.type, (args, kwargs))
+
     def backend_on(self, device_type: str) -> tuple[str, str]:
         """(backend, reason) this op would use for tensors on ``device_type`` ("cuda", "cpu"),
-        before any shape-dependent ``supports`` check (``python -m atom doctor`` prints it)."""
-        forced = envs.ATOM_OPS_BACKEND
-        choice = forced.get(self.name, forced.get("*", "auto"))
-
-        def why_not(backend: str, forced: bool = False) -> Optional[str]:
-            if backend == "torch":
-                return None
-            if self._impls[backend] is None:
-                return f"atom has no {backend} implementation of {self.name}"
-            if backend == "aiter" and not aiter_available():
-                return "aiter is not installed or torch is not a ROCm build"
-            if backend == "triton" and not triton_available():
-                return "triton is not installed"
-            if device_type != "cuda" and not (forced and backend == "triton" and triton_interpreting()):
-                return f"tensors on {device_type}"
-            return None
-
-        if choice != "auto":
-            why = why_not(choice, forced=True)
-            return (choice, f"forced by ATOM_OPS_BACKEND") if why is None else (
-                "error", f"ATOM_OPS_BACKEND forces {choice} but {why}")
-        reasons = []
-        for backend in BACKENDS:
-            why = why_not(backend)
-            if why is None:
-                return backend, "auto" + (f" ({'; '.join(reasons)})" if reasons else "")
-            reasons.append(f"not {backend}: {why}")
-        raise AssertionError("unreachable")
+        before any shape-dependent ``supports`` check (``python -m atom doctor`` prints it);
+        ("error", reason) when ATOM_OPS_BACKEND forces a backend that cannot run there."""
+        try:
+            return self._choose(device_type, None)
+        except BackendUnavailable as exc:
+            return "error", str(exc)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         backend, _ = self.backend_for(*args, **kwargs)
@@ -162,7 +147,8 @@ class Op:
 
     def run(self, backend: str, *args: Any, **kwargs: Any) -> Any:
         """Run one named backend (tests and benchmarks); raises if it cannot run these args."""
-        why = self._why_not(backend, args, kwargs, forced=True)
+        t = _first_tensor(args, kwargs)
+        why = self._why_not(backend, None if t is None else t.device.type, True, (args, kwargs))
         if why is not None:
             raise BackendUnavailable(f"{self.name} on {backend}: {why}")
         return self._impls[backend](*args, **kwargs)
