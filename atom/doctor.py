@@ -44,7 +44,7 @@ def collect() -> dict[str, Any]:
         "triton": _version("triton"),
         "aiter": _version("amd-aiter") or _version("aiter"),
     }
-    ok, why = register.vllm_support()
+    ok, why, _ = register.vllm_support()
     report["vllm_supported"] = {"ok": ok, "why": why}
 
     device = None
@@ -53,7 +53,7 @@ def collect() -> dict[str, Any]:
     report["device"] = device
     stock = {"cpu": "vllm.platforms.cpu.CpuPlatform", "cuda": "vllm.platforms.cuda.CudaPlatform",
              "rocm": "vllm.platforms.rocm.RocmPlatform"}
-    qualname, reason = register.activation() if found is not None else (None, "vLLM is not installed")
+    qualname, reason, _ = register.activation() if found is not None else (None, "vLLM is not installed", False)
     report["platform"] = {
         "without_atom": stock.get(device or "", device),
         "with_atom": qualname or stock.get(device or "", device),

@@ -10,7 +10,7 @@ every process and ``register_model`` once per process; both are cheap and idempo
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from atom import envs
 from atom._logging import get_logger, info_once, warn_once
@@ -28,21 +28,30 @@ PLATFORM_CLASSES = {
 }
 
 
-def vllm_support() -> tuple[bool, str]:
-    """(activate?, reason) for the installed vLLM version, honouring ATOM_ALLOW_UNSUPPORTED_VLLM."""
+class Decision(NamedTuple):
+    """An answer with its reason; ``warn`` when a user should see it as a warning (an untested or
+    unsupported vLLM, no supported device) rather than as information."""
+
+    value: Any
+    reason: str
+    warn: bool = False
+
+
+def vllm_support() -> Decision:
+    """Decision(activate?, reason, warn) for the installed vLLM, honouring ATOM_ALLOW_UNSUPPORTED_VLLM."""
     from atom.patches.versions import installed_vllm, vllm_version_in
 
     found = installed_vllm()
     if found is None:
-        return False, "vLLM is not installed"
+        return Decision(False, "vLLM is not installed")
     ok, version = vllm_version_in(SUPPORTED_VLLM)
     if ok:
-        return True, f"vLLM {version} is supported ({SUPPORTED_VLLM})"
+        return Decision(True, f"vLLM {version} is supported ({SUPPORTED_VLLM})")
     if envs.ATOM_ALLOW_UNSUPPORTED_VLLM:
-        return True, (f"vLLM {version} is outside the supported range {SUPPORTED_VLLM}; "
-                      "activating anyway because ATOM_ALLOW_UNSUPPORTED_VLLM=1")
-    return False, (f"vLLM {version} is outside the supported range {SUPPORTED_VLLM}; atom stays "
-                   "off (set ATOM_ALLOW_UNSUPPORTED_VLLM=1 to try it anyway)")
+        return Decision(True, f"vLLM {version} is outside the supported range {SUPPORTED_VLLM}; "
+                              "activating anyway because ATOM_ALLOW_UNSUPPORTED_VLLM=1", warn=True)
+    return Decision(False, f"vLLM {version} is outside the supported range {SUPPORTED_VLLM}; atom "
+                           "stays off (set ATOM_ALLOW_UNSUPPORTED_VLLM=1 to try it anyway)", warn=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,17 +79,18 @@ def detect_device() -> Optional[str]:
     return None
 
 
-def activation() -> tuple[Optional[str], str]:
-    """(platform qualname or None, one-line reason). Shared by register_platform and doctor."""
+def activation() -> Decision:
+    """Decision(platform qualname or None, one-line reason, warn). Shared by register_platform
+    and doctor."""
     if envs.ATOM_DISABLE_VLLM_PLUGIN:
-        return None, "disabled by ATOM_DISABLE_VLLM_PLUGIN=1"
-    ok, why = vllm_support()
-    if not ok:
-        return None, why
+        return Decision(None, "disabled by ATOM_DISABLE_VLLM_PLUGIN=1")
+    support = vllm_support()
+    if not support.value:
+        return Decision(None, support.reason, support.warn)
     device = detect_device()
     if device not in PLATFORM_CLASSES:
-        return None, f"no supported device (vLLM would use {device or 'no platform'})"
-    return PLATFORM_CLASSES[device], f"{why}; device {device}"
+        return Decision(None, f"no supported device (vLLM would use {device or 'no platform'})", warn=True)
+    return Decision(PLATFORM_CLASSES[device], f"{support.reason}; device {device}", support.warn)
 
 
 def register_platform() -> Optional[str]:
@@ -92,17 +102,14 @@ def register_platform() -> Optional[str]:
     it, which vLLM does not swallow).
     """
     try:
-        qualname, why = activation()
+        qualname, why, warn = activation()
     except envs.EnvError as exc:
         warn_once("platform-env-error", f"atom platform not activated: {exc}", logger)
         return None
     if qualname is None:
-        if "outside the supported range" in why or "no supported device" in why:
-            warn_once("platform-off", f"atom platform not activated: {why}", logger)
-        else:
-            info_once("platform-off", f"atom platform not activated: {why}", logger)
+        (warn_once if warn else info_once)("platform-off", f"atom platform not activated: {why}", logger)
         return None
-    if "outside the supported range" in why:
+    if warn:
         warn_once("platform-untested", f"atom: {why}", logger)
     info_once("platform-on", f"atom platform {qualname.rpartition('.')[2]} activated ({why})", logger)
     return qualname
@@ -124,9 +131,9 @@ def register_model() -> None:
     if envs.ATOM_DISABLE_VLLM_PLUGIN:
         info_once("models-off", "atom model overrides not registered: ATOM_DISABLE_VLLM_PLUGIN=1", logger)
         return
-    ok, why = vllm_support()
+    ok, why, warn = vllm_support()
     if not ok:
-        warn_once("models-off", f"atom model overrides not registered: {why}", logger)
+        (warn_once if warn else info_once)("models-off", f"atom model overrides not registered: {why}", logger)
         return
     if _models_registered:
         return
