@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from atom.patches.core import apply, status
+from atom.patches.core import status
 from atom.patches.records import Injection, Patch, Record
 
 __all__ = ["Registry", "REGISTRY", "register", "listing"]
@@ -26,9 +26,6 @@ class Registry:
         self._records[record.id] = record
         return record
 
-    def remove(self, record_id: str) -> None:
-        self._records.pop(record_id, None)
-
     def get(self, record_id: str) -> Record:
         try:
             return self._records[record_id]
@@ -43,10 +40,6 @@ class Registry:
 
     def __contains__(self, record_id: object) -> bool:
         return record_id in self._records
-
-    def apply_all(self) -> dict[str, str]:
-        """Apply (or arm) every record, following the environment; id -> status text."""
-        return {r.id: str(apply(r)) for r in self}
 
 
 REGISTRY = Registry()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from atom.patches import REGISTRY, Patch, apply, register
+from atom.patches import Patch, apply, register
 
 SUPPORTED = ">=0.26,<0.34"
 
@@ -38,4 +38,4 @@ VLLM_RECORDS = (ATTENTION_PWAL_DEFAULT,)
 
 def arm_all() -> dict[str, str]:
     """Apply or arm every vLLM record (environment decides); id -> status text."""
-    return {rec.id: str(apply(rec)) for rec in VLLM_RECORDS if rec.id in REGISTRY}
+    return {rec.id: str(apply(rec)) for rec in VLLM_RECORDS}
