@@ -1,60 +1,18 @@
 """Elementwise building blocks of atom's models: RMSNorm, rotary embedding, SiLU-and-mul.
 
-Each module's forward calls atom's dispatched op (:mod:`atom.ops`: torch reference, Triton,
-AITER) when this installation has it, and otherwise an equivalent torch computation defined
-here. The op is looked up by name in atom's op registry, so a newly added op is picked up with no
-change to the models; the torch fallbacks follow the ops' documented semantics exactly (fp32
-math, one rounding to the input dtype).
+Each module's forward calls atom's dispatched op (:mod:`atom.ops`: AITER, Triton, or the torch
+reference, chosen per call by device and dtype).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import math
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-#: op name -> the atom.ops module that declares it (importing it registers the op).
-OP_MODULES: dict[str, str] = {
-    "rms_norm": "atom.ops.rmsnorm",
-    "rotary_embedding": "atom.ops.rotary",
-    "silu_and_mul": "atom.ops.activation",
-}
-
-
-@functools.lru_cache(maxsize=None)
-def atom_op(name: str) -> Optional[Callable[..., Any]]:
-    """atom's dispatched op ``name``, or None when this installation does not have it.
-
-    Cached per process: whether a module exists does not change while the process runs (which
-    backend the op picks is still decided per call by the dispatcher).
-    """
-    module = OP_MODULES.get(name)
-    if module is None or importlib.util.find_spec(module) is None:
-        return None
-    importlib.import_module(module)
-    from atom.ops import OPS
-
-    return OPS.get(name)
-
-
-# -- RMSNorm --------------------------------------------------------------------------------------
-def rms_norm_torch(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """``atom.ops.rms_norm`` semantics in plain torch (the fallback when the op is absent)."""
-    xf = x.float()
-    new_residual = None
-    if residual is not None:
-        new_residual = (xf + residual.float()).to(x.dtype)
-        xf = new_residual.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-    return y if new_residual is None else (y, new_residual)
+from atom import ops
 
 
 class RMSNorm(nn.Module):
@@ -69,28 +27,16 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        op = atom_op("rms_norm")
-        if op is not None:
-            return op(x, self.weight, self.eps, residual)
-        return rms_norm_torch(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 # -- SiLU and mul ---------------------------------------------------------------------------------
-def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` ``[..., 2d]`` (SwiGLU after a fused gate_up)."""
-    d = x.shape[-1] // 2
-    return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
-
-
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op = atom_op("silu_and_mul")
-        if op is not None:
-            return op(x)
-        return silu_and_mul_torch(x)
+        return ops.silu_and_mul(x)
 
 
 # -- Rotary embedding -----------------------------------------------------------------------------
@@ -210,32 +156,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query`` ``[T, Hq*D]`` / ``[T, Hq, D]`` and ``key`` likewise, in place."""
-        cache, dim, neox = self.cos_sin_cache, self.rotary_dim, self.is_neox_style
-        op = atom_op("rotary_embedding")
-        if op is not None:
-            return op(positions, query, key, cache, self.head_dim, dim, neox)
-        t = positions.shape[0]
-        _rope_torch_(positions, query.view(t, -1, self.head_dim), cache, dim, neox)
-        _rope_torch_(positions, key.view(t, -1, self.head_dim), cache, dim, neox)
-        return query, key
+        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_dim,
+                                    self.rotary_dim, self.is_neox_style)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
                 f"positions={self.cos_sin_cache.shape[0]}, neox={self.is_neox_style}")
 
-
-def _rope_torch_(
-    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool
-) -> None:
-    """Rotate the first ``rotary_dim`` dims of each head of ``x`` ``[T, H, D]`` in place (fp32)."""
-    half = rotary_dim // 2
-    cos, sin = cos_sin_cache.index_select(0, positions.long()).split(half, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rot = x[..., :rotary_dim].float()
-    if is_neox:
-        x1, x2 = rot[..., :half], rot[..., half:]
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    else:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    x[..., :rotary_dim] = out.to(x.dtype)
