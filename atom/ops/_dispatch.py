@@ -145,10 +145,14 @@ class Op:
         backend, _ = self.backend_for(*args, **kwargs)
         return self._impls[backend](*args, **kwargs)
 
+    def unsupported(self, backend: str, *args: Any, **kwargs: Any) -> Optional[str]:
+        """None when ``backend`` can run these arguments (as if forced), else the reason."""
+        t = _first_tensor(args, kwargs)
+        return self._why_not(backend, None if t is None else t.device.type, True, (args, kwargs))
+
     def run(self, backend: str, *args: Any, **kwargs: Any) -> Any:
         """Run one named backend (tests and benchmarks); raises if it cannot run these args."""
-        t = _first_tensor(args, kwargs)
-        why = self._why_not(backend, None if t is None else t.device.type, True, (args, kwargs))
+        why = self.unsupported(backend, *args, **kwargs)
         if why is not None:
             raise BackendUnavailable(f"{self.name} on {backend}: {why}")
         return self._impls[backend](*args, **kwargs)

@@ -11,10 +11,16 @@ and leaves the normed + rotated q and k in place. Numerically it is exactly the 
 sequence ``rms_norm`` -> ``rotary_embedding`` -> ``reshape_and_cache`` (the torch reference *is*
 that composition, and the kernel rounds to the activation dtype where the sequence does).
 
-Backends: torch reference and Triton. No AITER binding: aiter's
-``fused_qk_norm_rope_cache_quant_shuffle`` writes its own x-packed/shuffled cache layout
-(``[B, H, D/x, page, x]`` keys), not atom's NHD cache, so on ROCm ``auto`` picks the Triton
-kernel.
+Backends: torch reference, Triton (one kernel), and AITER as the composition of the AITER
+kernels atom binds for the three steps (``rmsnorm2d_fwd`` for q and k,
+``rope_cached_positions_2c_fwd_inplace``, ``reshape_and_cache_flash``): four launches instead of
+one, with each step's semantics those of atom's own ``rms_norm`` / ``rotary_embedding`` /
+``reshape_and_cache`` AITER bindings. atom does not bind AITER's single-kernel variants because
+neither computes this op on this cache: ``fused_qk_norm_rope_cache_quant_shuffle`` writes an
+x-packed/shuffled cache (``[B, H, D/x, page, x]`` keys), and the Triton
+``fused_qkv_split_qk_norm_rope_cache`` normalises with a Gemma-style ``(1 + w)`` weight in the
+releases that take an NHD cache. On ROCm ``auto`` picks the AITER composition when all three
+steps accept the arguments, else the Triton kernel.
 """
 
 from __future__ import annotations
@@ -183,13 +189,86 @@ def _fused_triton(
     return q, k
 
 
+# -- AITER (ROCm): atom's three AITER step bindings -----------------------------------------------
+def _fused_aiter_supports(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    rotary_dim: Optional[int] = None,
+) -> Optional[str]:
+    """The first reason one of the three AITER steps cannot take these arguments."""
+    from atom.ops.kv_cache import RESHAPE_AND_CACHE
+    from atom.ops.rmsnorm import RMS_NORM
+    from atom.ops.rotary import ROTARY_EMBEDDING
+
+    d = q.shape[-1]
+    rows = q[:0].reshape(0, d)  # shape/dtype stand-in: the norm runs on contiguous rows
+    return (
+        RMS_NORM.unsupported("aiter", rows, q_norm_weight, eps)
+        or RMS_NORM.unsupported("aiter", rows, k_norm_weight, eps)
+        or ROTARY_EMBEDDING.unsupported(
+            "aiter", positions, q, k, cos_sin_cache, d, d if rotary_dim is None else rotary_dim, is_neox
+        )
+        or RESHAPE_AND_CACHE.unsupported(
+            "aiter", k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale
+        )
+    )
+
+
+def _fused_aiter(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    rotary_dim: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from atom.ops.kv_cache import RESHAPE_AND_CACHE
+    from atom.ops.rmsnorm import RMS_NORM
+    from atom.ops.rotary import ROTARY_EMBEDDING
+
+    rotary_dim, _ = _check(
+        q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, key_cache, value_cache,
+        slot_mapping, kv_cache_dtype, k_scale, v_scale, rotary_dim,
+    )
+    d = q.shape[-1]
+    for x, w in ((q, q_norm_weight), (k, k_norm_weight)):
+        x.copy_(RMS_NORM.run("aiter", x.reshape(-1, d), w, eps).view_as(x))
+    ROTARY_EMBEDDING.run("aiter", positions, q, k, cos_sin_cache, d, rotary_dim, is_neox)
+    RESHAPE_AND_CACHE.run("aiter", k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    return q, k
+
+
 FUSED_QK_NORM_ROPE_CACHE = register(
     Op(
         "fused_qk_norm_rope_cache",
         torch_impl=_fused_torch,
         triton_impl=_fused_triton,
-        aiter_impl=None,
+        aiter_impl=_fused_aiter,
         triton_supports=_fused_triton_supports,
+        aiter_supports=_fused_aiter_supports,
         doc="per-head RMSNorm(q, k) + RoPE + paged KV-cache write (fp8 optional), one kernel",
     )
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -142,6 +144,43 @@ def test_fused_triton_equals_unfused_triton(case):
     assert_close(fused_qkv, seq_qkv, 1e-2, 1e-2)
     mismatch = (fused_qkv != seq_qkv).float().mean().item()
     assert mismatch < 0.02, mismatch
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=[CASE_IDS[1], CASE_IDS[2]])
+def test_aiter_path_composes_the_three_aiter_step_bindings(case, monkeypatch):
+    """The AITER backend (ROCm only) is rms_norm(q), rms_norm(k), rotary, cache write through
+    each step op's AITER binding. Here each step's ``run`` records the backend asked for and runs
+    its reference, so the composition (norm into strided views, rotary dims, cache) is checked
+    against the fused reference on this machine; the bindings themselves need ROCm."""
+    mod = importlib.import_module("atom.ops.fused_qk_norm_rope_cache")
+    from atom.ops._dispatch import Op
+
+    calls = []
+    for op in (RMS_NORM, ROTARY_EMBEDDING, RESHAPE_AND_CACHE):
+        def run(backend, *args, _op=op, **kwargs):
+            calls.append((_op.name, backend))
+            return Op.run(_op, "torch", *args, **kwargs)
+        monkeypatch.setattr(op, "run", run)
+
+    t, hq, hk, d, rd, neox, nb, bs, pad, layout, kvd = case
+    s = _setup(case, torch.bfloat16)
+    got_qkv, got_phys = s["qkv"].clone(), s["phys"].clone()
+    q, k, v = split_qkv(got_qkv, hq, hk, d)
+    kc, vc = _caches_like(got_phys, layout)
+    rq, rk = mod._fused_aiter(q, k, v, s["qw"], s["kw"], EPS, s["positions"], s["cs"], neox, kc, vc,
+                              s["slots"], kvd, s["ks"], s["vs"], rd)
+    assert rq is q and rk is k
+    assert calls == [("rms_norm", "aiter"), ("rms_norm", "aiter"), ("rotary_embedding", "aiter"),
+                     ("reshape_and_cache", "aiter")]
+    want_qkv, want_phys = s["qkv"].clone(), s["phys"].clone()
+    _run("torch", case, s, want_qkv, want_phys)
+    assert same_bytes(got_qkv, want_qkv)
+    assert same_bytes(got_phys, want_phys)
+    # Off ROCm the binding declines with the dispatcher's reason (auto then picks Triton/torch).
+    monkeypatch.undo()
+    why = mod._fused_aiter_supports(q, k, v, s["qw"], s["kw"], EPS, s["positions"], s["cs"], neox, kc, vc,
+                                    s["slots"], kvd, s["ks"], s["vs"], rd)
+    assert why is not None and "aiter" in why
 
 
 def test_separate_noncontiguous_tensors():

@@ -48,8 +48,7 @@ def test_all_ops_registered_with_three_backends_declared():
         op = OPS[name]
         assert op.torch_impl is not None and op.triton_impl is not None, name
         assert name in ops.__all__ and callable(getattr(ops, name)), name
-    # Every op but the fused one has an AITER binding (see fused_qk_norm_rope_cache's docstring).
-    assert [n for n in MEMORY_OPS if OPS[n].aiter_impl is None] == ["fused_qk_norm_rope_cache"]
+    assert [n for n in MEMORY_OPS if OPS[n].aiter_impl is None] == []
 
 
 @pytest.mark.parametrize("name", MEMORY_OPS)
@@ -81,10 +80,7 @@ def test_forcing_aiter_here_raises_clearly(monkeypatch, name):
         fn(*args, **kwargs)
     msg = str(info.value)
     assert f"forces aiter for op {name}" in msg
-    if name == "fused_qk_norm_rope_cache":
-        assert "no aiter implementation" in msg
-    else:
-        assert "aiter is not installed or torch is not a ROCm build" in msg
+    assert "aiter is not installed or torch is not a ROCm build" in msg
 
 
 def test_auto_uses_triton_where_it_can_run(monkeypatch):
