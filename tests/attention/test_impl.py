@@ -10,21 +10,31 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from atom.plugin.attention import ATOMAttentionBackend, ATOMAttentionImpl, ATOMAttentionMetadata
+from atom.plugin.attention_mha import ATOMAttentionBackend, ATOMAttentionImpl, ATOMAttentionMetadata
 from atom.plugin.vllm import compat
 
 NUM_HEADS, NUM_KV_HEADS, HEAD = 4, 2, 32
 BLOCK, NUM_BLOCKS = 16, 12
-LAYER = SimpleNamespace()  # the impl reads nothing from the layer (no fp8 scales)
+LAYER = SimpleNamespace()  # the impl reads nothing from the layer without an fp8 cache
+# vLLM's layer holds per-tensor float32 scales (_k_scale / _v_scale buffers of shape ())
+FP8_LAYER = SimpleNamespace(_k_scale=torch.tensor(0.011), _v_scale=torch.tensor(0.007))
 
 
-def _vllm_cache(layout_name: str) -> torch.Tensor:
+def _fp8_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What an fp8 cache holds, dequantised (the reference attends over these values)."""
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
+def _vllm_cache(layout_name: str, kv_dtype: str = "auto") -> torch.Tensor:
     """vLLM >= 0.29: a logical [B, H, N, 2D] view whose physical order is the layout's."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     order = KVCacheLayout[layout_name].layer_view_order  # physical order of the [B, H, N, C] axes
     logical = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK, 2 * HEAD)
-    physical = torch.full([logical[i] for i in order], float("nan"))
+    if kv_dtype == "fp8":  # vLLM allocates fp8 caches as uint8 (0x7f = nan in e4m3)
+        physical = torch.full([logical[i] for i in order], 0x7F, dtype=torch.uint8)
+    else:
+        physical = torch.full([logical[i] for i in order], float("nan"))
     inverse = [order.index(i) for i in range(4)]
     view = physical.permute(*inverse)
     assert view.shape == logical
@@ -49,21 +59,25 @@ def _dense(q, k, v, q_len, scale, window, sinks):
 
 
 _CASES = [
-    pytest.param(layout, window, sinks, "auto", id=f"{layout}-w{window}-sinks{int(sinks)}")
+    pytest.param(layout, window, sinks, "auto", "auto", id=f"{layout}-w{window}-sinks{int(sinks)}")
     for layout in ("LBNHC", "LBHNC", "BLNHC")
     for window, sinks in ((None, False), (7, False), (None, True), (5, True))
 ] + [
     # atom's Triton kernels through the impl (interpreted on CPU): the GPU code path's indexing
     # of vLLM's strided cache views, on a token-major and a head-major layout.
-    pytest.param(layout, 5, True, "triton", id=f"{layout}-w5-sinks1-triton") for layout in ("LBNHC", "LBHNC")
+    pytest.param(layout, 5, True, "triton", "auto", id=f"{layout}-w5-sinks1-triton") for layout in ("LBNHC", "LBHNC")
 ] + [
     # vLLM <= 0.28 allocates get_kv_cache_shape's tensor (the release is simulated here)
-    pytest.param("get_kv_cache_shape", 5, True, "auto", id="0.26-shape-w5-sinks1"),
+    pytest.param("get_kv_cache_shape", 5, True, "auto", "auto", id="0.26-shape-w5-sinks1"),
+] + [
+    # fp8 KV cache (kv_cache_dtype="fp8"): quantised writes with the layer's scales, dequantised reads
+    pytest.param(layout, window, True, backend, "fp8", id=f"{layout}-w{window}-fp8-{backend}")
+    for layout, window, backend in (("LBNHC", None, "auto"), ("LBHNC", 5, "auto"), ("LBNHC", 5, "triton"))
 ]
 
 
-@pytest.mark.parametrize("layout,window,with_sinks,ops_backend", _CASES)
-def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, monkeypatch):
+@pytest.mark.parametrize("layout,window,with_sinks,ops_backend,kv_dtype", _CASES)
+def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, kv_dtype, monkeypatch):
     if layout == "get_kv_cache_shape":
         from packaging.version import Version
 
@@ -80,13 +94,14 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, m
         monkeypatch.setenv("ATOM_OPS_BACKEND", "paged_attention=triton,reshape_and_cache=triton")
     torch.manual_seed(0)
     sinks = torch.randn(NUM_HEADS) if with_sinks else None
-    impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 1 / math.sqrt(HEAD), NUM_KV_HEADS, None, window, "auto",
+    impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 1 / math.sqrt(HEAD), NUM_KV_HEADS, None, window, kv_dtype,
                              None, "decoder", None, sinks=sinks)
+    layer = FP8_LAYER if kv_dtype == "fp8" else LAYER
     impl.process_weights_after_loading(torch.float32)
     if layout == "get_kv_cache_shape":
         kv_cache = torch.full(ATOMAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD), float("nan"))
     else:
-        kv_cache = _vllm_cache(layout)
+        kv_cache = _vllm_cache(layout, kv_dtype)
 
     # (context already cached, new tokens): a prefill, a decode, a chunk after cached context
     shapes = [(0, 6), (20, 1), (17, 9)]
@@ -101,7 +116,7 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, m
     # earlier steps' tokens, written through the same hook vLLM calls
     for s, (c, _) in enumerate(shapes):
         if c:
-            impl.do_kv_cache_update(LAYER, full_k[s][:c], full_v[s][:c], kv_cache, slots(s, range(c)))
+            impl.do_kv_cache_update(layer, full_k[s][:c], full_v[s][:c], kv_cache, slots(s, range(c)))
 
     new_k = torch.cat([full_k[s][c:] for s, (c, _) in enumerate(shapes)])
     new_v = torch.cat([full_v[s][c:] for s, (c, _) in enumerate(shapes)])
@@ -109,7 +124,7 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, m
     num_tokens = new_k.shape[0]
     q = torch.randn(num_tokens + 3, NUM_HEADS, HEAD)  # +3 padding rows, as vLLM may pass
     pad = torch.zeros(3, NUM_KV_HEADS, HEAD)
-    impl.do_kv_cache_update(LAYER, torch.cat([new_k, pad]), torch.cat([new_v, pad]), kv_cache, slot_mapping)
+    impl.do_kv_cache_update(layer, torch.cat([new_k, pad]), torch.cat([new_v, pad]), kv_cache, slot_mapping)
 
     q_lens = [n for _, n in shapes]
     md = ATOMAttentionMetadata(
@@ -120,8 +135,11 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, m
         block_table=block_table, slot_mapping=slot_mapping,
     )
     output = torch.full_like(q, float("nan"))
-    assert impl.forward(LAYER, q, new_k, new_v, kv_cache, md, output) is output
+    assert impl.forward(layer, q, new_k, new_v, kv_cache, md, output) is output
 
+    if kv_dtype == "fp8":
+        full_k = [_fp8_round_trip(k, layer._k_scale) for k in full_k]
+        full_v = [_fp8_round_trip(v, layer._v_scale) for v in full_v]
     start = 0
     for s, (c, n) in enumerate(shapes):
         want = _dense(q[start:start + n], full_k[s], full_v[s], n, impl.scale, window, sinks)
@@ -150,7 +168,7 @@ def test_profiling_run_without_metadata_returns_zeros():
     ({"alibi_slopes": [1.0] * NUM_HEADS}, "ALiBi"),
     ({"logits_soft_cap": 30.0}, "soft-cap"),
     ({"attn_type": "encoder"}, "decoder attention"),
-    ({"kv_cache_dtype": "fp8"}, "fp8 KV cache"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "fp8_e5m2 KV cache"),
 ])
 def test_impl_refuses_what_the_selector_cannot_see(kw, match):
     with pytest.raises(NotImplementedError, match=match):
