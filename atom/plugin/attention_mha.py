@@ -92,7 +92,7 @@ class ATOMAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64, -1 = padding
     causal: bool = True
-    positions: Optional[torch.Tensor] = None  # set per layer by the fused path (model positions)
+    positions: Optional[torch.Tensor] = None  # [num_actual_tokens] int64, only for fused QK-norm layers
 
 
 class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadata]):
@@ -122,6 +122,15 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        # Layers on the fused QK-norm path need each token's position; vLLM's metadata has none,
+        # so the builder derives them (persistent buffer: full CUDA graphs read it at replay).
+        ctx = vllm_config.compilation_config.static_forward_context
+        self.fused_layers = [n for n in layer_names
+                             if getattr(getattr(ctx.get(n), "impl", None), "fused", None) is not None]
+        self._positions = None
+        if self.fused_layers:
+            size = int(vllm_config.scheduler_config.max_num_batched_tokens)
+            self._positions = torch.zeros(size, dtype=torch.int64, device=device)
         self.workspace_bytes = 0
         self._workspace = None
         if torch.device(device).type == "cuda":
@@ -165,6 +174,7 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
         max_seq_len = int(m.max_seq_len)
         if for_capture:
             max_seq_len = max(max_seq_len, self.max_model_len)
+        positions = None if self._positions is None else self._token_positions(m)
         return ATOMAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             num_reqs=m.num_reqs,
@@ -175,23 +185,36 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
             causal=bool(m.causal),
+            positions=positions,
         )
+
+    def _token_positions(self, m: Any) -> torch.Tensor:
+        """Position of every query token: its request's context length plus its offset in the
+        request's new tokens. Device ops only (``output_size`` given: no host sync)."""
+        n, r = int(m.num_actual_tokens), int(m.num_reqs)
+        qsl = m.query_start_loc[: r + 1].long()
+        q_lens = qsl[1:] - qsl[:-1]
+        req = torch.repeat_interleave(torch.arange(r, device=qsl.device), q_lens, output_size=n)
+        token = torch.arange(n, device=qsl.device)
+        out = self._positions[:n]
+        torch.add((m.seq_lens[:r].long() - q_lens)[req], token - qsl[:-1][req], out=out)
+        return out
 
 
 @dataclass(frozen=True)
 class FusedQKNormRope:
-    """What a layer hands the impl for atom's fused QK-RMSNorm + RoPE + KV-cache write (extra
-    impl args of vLLM's ``Attention``, from ``atom.plugin.vllm.model_wrapper``).
+    """What a layer hands its impl for atom's fused QK-RMSNorm + RoPE + KV-cache write (through
+    ``VllmAttentionFactory.fuse_qk_norm_rope``, when ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=1).
 
-    ``q_norm`` / ``k_norm``: the layer's RMSNorm modules (``.weight``, ``.eps``); ``rotary``: a
-    module with ``cos_sin_cache`` ``[max_pos, rotary_dim]`` and ``is_neox_style``;
-    ``positions``: a callable returning the current step's positions tensor (the model's).
+    ``q_norm`` / ``k_norm``: the model's per-head RMSNorm modules (``.weight``, ``.eps``), read at
+    every call (so loaded weights are seen); ``rotary``: a module with ``cos_sin_cache``
+    ``[max_pos, rotary_dim]``, ``rotary_dim`` and ``is_neox_style``. Positions come from the
+    metadata builder (``ATOMAttentionMetadata.positions``).
     """
 
     q_norm: Any
     k_norm: Any
     rotary: Any
-    positions: Callable[[], torch.Tensor]
 
 
 class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
@@ -218,7 +241,6 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: Optional[str] = None,
         sinks: Optional[torch.Tensor] = None,
-        atom_fused_qk_norm_rope: Optional[FusedQKNormRope] = None,
     ) -> None:
         # The selector cannot see these (they are not in AttentionSelectorConfig), so the layer
         # that asks for them fails here, at model build, rather than computing something else.
@@ -245,10 +267,19 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         if sinks is not None and sinks.shape != (num_heads,):
             raise ValueError(f"sinks must have one value per query head ({num_heads}), got {tuple(sinks.shape)}")
         self.sinks = sinks
-        self.fused = atom_fused_qk_norm_rope
+        self.fused: Optional[FusedQKNormRope] = None  # see enable_fused_qk_norm_rope
         # Where vLLM does not call do_kv_cache_update itself (or the fused path owns the write),
         # forward writes the cache.
         self._write_cache_in_forward = ATOMAttentionBackend.forward_includes_kv_cache_update
+
+    def enable_fused_qk_norm_rope(self, fused: FusedQKNormRope) -> None:
+        """From now on the layer passes q/k before QK-norm and RoPE; ``forward`` applies both and
+        writes the cache in one op (``do_kv_cache_update`` becomes a no-op)."""
+        if self.kv_sharing_target_layer_name is not None:
+            raise NotImplementedError("the fused QK-norm path cannot serve a KV-sharing layer")
+        if float(fused.q_norm.eps) != float(fused.k_norm.eps):
+            raise ValueError(f"q_norm eps {fused.q_norm.eps} differs from k_norm eps {fused.k_norm.eps}")
+        self.fused = fused
 
     # -- atom's math (framework-neutral) ------------------------------------------------------
     def cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,17 +319,18 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
                                  key_cache: torch.Tensor, value_cache: torch.Tensor,
                                  slot_mapping: torch.Tensor, positions: torch.Tensor,
                                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> torch.Tensor:
-        """RMSNorm q/k per head, RoPE, and the cache write in one op; returns the normed,
-        rotated queries ``[n, num_heads, head_size]``."""
+        """RMSNorm q/k per head, RoPE, and the cache write in one op (q and k in place); returns
+        the normed, rotated queries ``[n, num_heads, head_size]``."""
         from atom.ops import fused_qk_norm_rope_cache
 
         f = self.fused
         n = slot_mapping.shape[0]
         q, _ = fused_qk_norm_rope_cache(
-            query[:n], key[:n], value[:n], f.q_norm.weight, f.k_norm.weight, f.q_norm.variance_epsilon,
-            positions[:n], f.rotary.cos_sin_cache, f.rotary.is_neox_style, key_cache, value_cache,
+            query[:n], key[:n], value[:n], f.q_norm.weight, f.k_norm.weight, float(f.q_norm.eps),
+            positions[:n], f.rotary.cos_sin_cache, bool(f.rotary.is_neox_style), key_cache, value_cache,
             slot_mapping, "fp8_e4m3" if self.fp8_cache else "auto",
             k_scale.reshape(1) if self.fp8_cache else None, v_scale.reshape(1) if self.fp8_cache else None,
+            int(f.rotary.rotary_dim),
         )
         return q
 
@@ -354,12 +386,11 @@ class VLLMMHAImplMethods:
         key_cache, value_cache = self.cache_views(kv_cache)
         writes = self.kv_sharing_target_layer_name is None
         if self.fused is not None:
-            if writes:
-                query = self.fused_qk_norm_rope_write(
-                    query, key, value, key_cache, value_cache, md.slot_mapping[:n],
-                    self.fused.positions(), k_scale, v_scale)
-            else:
-                raise NotImplementedError("the fused QK-norm path cannot serve a KV-sharing layer")
+            if md.positions is None:
+                raise RuntimeError("fused QK-norm layer without positions in its metadata (builder "
+                                   "did not see the layer as fused)")
+            query = self.fused_qk_norm_rope_write(
+                query, key, value, key_cache, value_cache, md.slot_mapping[:n], md.positions, k_scale, v_scale)
         elif self._write_cache_in_forward and writes:
             self.write_cache(key, value, key_cache, value_cache, md.slot_mapping[:n], k_scale, v_scale)
         self.attend(query[:n], key_cache, value_cache, md, output[:n], k_scale, v_scale)

@@ -173,3 +173,81 @@ def test_profiling_run_without_metadata_returns_zeros():
 def test_impl_refuses_what_the_selector_cannot_see(kw, match):
     with pytest.raises(NotImplementedError, match=match):
         ATOMAttentionImpl(NUM_HEADS, HEAD, 0.1, NUM_KV_HEADS, **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_fused_qk_norm_rope_path_equals_norm_rope_then_attention(kv_dtype, tiny_model):
+    """A layer on the fused path (q/k handed over before QK-norm and RoPE, positions from the
+    builder) computes what norm -> RoPE -> do_kv_cache_update -> forward computes."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from atom.models._layers import RMSNorm, RotaryEmbedding
+    from atom.plugin.attention_mha import ATOMAttentionMetadataBuilder, FusedQKNormRope
+
+    torch.manual_seed(0)
+    q_norm, k_norm = RMSNorm(HEAD, 1e-6), RMSNorm(HEAD, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.normal_(1.0, 0.3), k_norm.weight.normal_(1.0, 0.3)
+    rope = RotaryEmbedding(HEAD, {"rope_type": "default", "rope_theta": 10000.0}, 128)
+    layer = FP8_LAYER if kv_dtype == "fp8" else LAYER
+    plain = ATOMAttentionImpl(NUM_HEADS, HEAD, HEAD ** -0.5, NUM_KV_HEADS, kv_cache_dtype=kv_dtype)
+    fused = ATOMAttentionImpl(NUM_HEADS, HEAD, HEAD ** -0.5, NUM_KV_HEADS, kv_cache_dtype=kv_dtype)
+    fused.enable_fused_qk_norm_rope(FusedQKNormRope(q_norm, k_norm, rope))
+
+    # a prefill of 6, a decode at 20, a chunk of 9 after 17 (earlier tokens written by the plain path)
+    q_lens, seq_lens = [6, 1, 9], [6, 21, 26]
+    block_table = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    qsl = torch.tensor([0, 6, 7, 16], dtype=torch.int32)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
+    slot_mapping = torch.tensor([int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK
+                                 for r, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)])
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=3, num_actual_tokens=16, max_query_len=9, max_seq_len=26,
+        block_table_tensor=block_table, slot_mapping=slot_mapping,
+    )
+    config = EngineArgs(model=str(tiny_model("qwen3", "float32")), max_model_len=128,
+                        dtype="float32").create_engine_config()
+    config.compilation_config.static_forward_context["l.attn"] = SimpleNamespace(impl=fused)
+    try:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=NUM_KV_HEADS, head_size=HEAD, dtype=torch.float32)
+        builder = ATOMAttentionMetadataBuilder(spec, ["l.attn"], config, torch.device("cpu"))
+        md = builder.build(0, common)
+    finally:
+        del config.compilation_config.static_forward_context["l.attn"]
+    assert builder.fused_layers == ["l.attn"]
+    assert torch.equal(md.positions, positions)
+
+    def cache():
+        if kv_dtype == "fp8":
+            return torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.uint8)
+        return torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK, 2 * HEAD)
+
+    q, k, v = torch.randn(16, NUM_HEADS, HEAD), torch.randn(16, NUM_KV_HEADS, HEAD), torch.randn(16, NUM_KV_HEADS, HEAD)
+    cache_plain, cache_fused = cache(), cache()
+    old_k, old_v = torch.randn(20, NUM_KV_HEADS, HEAD), torch.randn(20, NUM_KV_HEADS, HEAD)
+    old_slots = torch.tensor([int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK
+                              for r, c in ((1, 20),) for p in range(c)])
+    for c in (cache_plain, cache_fused):  # context of the decode request, already cached
+        plain.do_kv_cache_update(layer, old_k, old_v, c, old_slots)
+    c_slots = torch.tensor([int(block_table[2, p // BLOCK]) * BLOCK + p % BLOCK for p in range(17)])
+    ck, cv = torch.randn(17, NUM_KV_HEADS, HEAD), torch.randn(17, NUM_KV_HEADS, HEAD)
+    for c in (cache_plain, cache_fused):
+        plain.do_kv_cache_update(layer, ck, cv, c, c_slots)
+
+    # unfused: what the model does itself, then vLLM's two calls
+    qn = q_norm(q.clone()).reshape(16, NUM_HEADS * HEAD)
+    kn = k_norm(k.clone()).reshape(16, NUM_KV_HEADS * HEAD)
+    qn, kn = rope(positions, qn, kn)
+    qn, kn = qn.view(16, NUM_HEADS, HEAD), kn.view(16, NUM_KV_HEADS, HEAD)
+    plain.do_kv_cache_update(layer, kn, v, cache_plain, slot_mapping)
+    want = plain.forward(layer, qn, kn, v, cache_plain, md, torch.empty_like(q))
+    # fused: vLLM's do_kv_cache_update is a no-op, forward does everything
+    before = cache_fused.clone()
+    fused.do_kv_cache_update(layer, k.clone(), v, cache_fused, slot_mapping)
+    assert torch.equal(cache_fused, before)
+    got = fused.forward(layer, q.clone(), k.clone(), v, cache_fused, md, torch.empty_like(q))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache_fused.float(), cache_plain.float(), atol=0, rtol=0)
