@@ -75,6 +75,22 @@ def register() -> Optional[str]:
     return None
 
 
+def split_kv_workspace_bytes(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int,
+                             device: torch.device) -> int:
+    """Upper bound of the Triton split-KV decode partials for one call (``part_o`` fp32
+    ``[seqs, heads, splits, D]`` + ``part_lse`` fp32 ``[seqs, heads, splits]``) at any batch size
+    up to ``max_num_seqs``. ``choose_num_splits`` takes ``ceil(T / rows)`` splits (at most 64) for
+    ``rows = seqs * kv_heads`` and a program target ``T`` (~4 per SM), and allocates partials
+    only when that is more than one split (``rows < T``): so ``rows * splits < T + min(rows, T)``."""
+    if device.type != "cuda":
+        return 0
+    from atom.ops.attention_triton import num_programs_target
+
+    rows, target = max_num_seqs * num_kv_heads, num_programs_target(device)
+    cells = min(rows * 64, target + min(rows, target)) * (num_heads // num_kv_heads)
+    return cells * (head_size + 1) * 4
+
+
 @dataclass
 class ATOMAttentionMetadata:
     """Per-step metadata of one KV-cache group, in the shape ``atom.ops.paged_attention`` takes.
@@ -103,11 +119,10 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
     No batch reordering (``reorder_batch_threshold = None``): one kernel call serves prefill,
     chunked-prefill and decode rows in any order.
 
-    Workspace: the Triton decode kernel's split-KV partials are allocated per call and are small
-    (``choose_num_splits`` aims at ~4 programs per SM in total, so ``num_seqs * num_splits *
-    num_kv_heads`` stays near 4 x SMs: well under 10 MiB for head_size 128); at builder init we
-    reserve that bound once (:attr:`workspace_bytes`) so vLLM's memory profiling, which runs
-    after the builders exist, sees it.
+    Workspace: none of its own. The Triton decode kernel's split-KV partials are allocated per
+    call; vLLM profiles memory before any builder exists, so the impl's profiling-run branch
+    allocates their upper bound once (:func:`split_kv_workspace_bytes`), which vLLM's peak
+    measurement then counts.
     """
 
     # Full CUDA graphs for single-token decode batches only: there the Triton launches depend on
@@ -131,28 +146,6 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
         if self.fused_layers:
             size = int(vllm_config.scheduler_config.max_num_batched_tokens)
             self._positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.workspace_bytes = 0
-        self._workspace = None
-        if torch.device(device).type == "cuda":
-            self._workspace = self._reserve_split_kv_workspace(vllm_config, torch.device(device))
-            self.workspace_bytes = self._workspace.numel()
-
-    @staticmethod
-    def _reserve_split_kv_workspace(vllm_config: Any, device: torch.device) -> torch.Tensor:
-        """Bytes the split-KV decode partials can take at most, held by the builder so vLLM's
-        profiling counts them (part_o fp32 [S, H, splits, D] + part_lse fp32 [S, H, splits])."""
-        from atom.ops.attention_triton import num_programs_target
-
-        model = vllm_config.model_config
-        heads = model.get_num_attention_heads(vllm_config.parallel_config)
-        head_size = model.get_head_size()
-        kv_heads = max(1, model.get_num_kv_heads(vllm_config.parallel_config))
-        # rows * splits <= max(rows, programs target) with rows = seqs * kv_heads (max_splits 64)
-        seqs = int(vllm_config.scheduler_config.max_num_seqs)
-        rows = seqs * kv_heads
-        cells = max(rows, min(rows * 64, num_programs_target(device))) * (heads // kv_heads)
-        nbytes = cells * (head_size + 1) * 4
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
@@ -378,7 +371,15 @@ class VLLMMHAImplMethods:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("atom's attention backend has no fused output quantization")
         if attn_metadata is None:
-            # vLLM's profiling run: no cache or metadata yet; return something defined.
+            # vLLM's profiling run: no cache or metadata yet. Allocate the decode workspace's
+            # upper bound once here so vLLM's peak-memory measurement counts it; return zeros.
+            if output.is_cuda:
+                from vllm.config import get_current_vllm_config
+
+                seqs = int(get_current_vllm_config().scheduler_config.max_num_seqs)
+                nbytes = split_kv_workspace_bytes(seqs, self.num_heads, self.num_kv_heads, self.head_size,
+                                                  output.device)
+                torch.empty(nbytes, dtype=torch.uint8, device=output.device)
             return output.fill_(0)
         md = attn_metadata
         n = md.num_actual_tokens

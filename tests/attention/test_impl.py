@@ -251,3 +251,48 @@ def test_fused_qk_norm_rope_path_equals_norm_rope_then_attention(kv_dtype, tiny_
     got = fused.forward(layer, q.clone(), k.clone(), v, cache_fused, md, torch.empty_like(q))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache_fused.float(), cache_plain.float(), atol=0, rtol=0)
+
+
+def test_split_kv_workspace_bound():
+    from atom.plugin.attention_mha import split_kv_workspace_bytes
+
+    assert split_kv_workspace_bytes(256, 32, 8, 128, torch.device("cpu")) == 0  # torch reference: none
+
+
+@pytest.mark.gpu
+def test_profiling_run_allocates_the_decode_workspace_bound():
+    """vLLM measures the peak during its profiling run (no metadata): the impl's branch must
+    reach the split-KV partials' upper bound there, and a real decode must stay under it."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from atom.plugin.attention_mha import split_kv_workspace_bytes
+
+    dev = torch.device("cuda")
+    config = VllmConfig()
+    seqs = config.scheduler_config.max_num_seqs
+    impl = ATOMAttentionImpl(32, 128, 128 ** -0.5, 8)
+    impl.process_weights_after_loading(torch.bfloat16)
+    bound = split_kv_workspace_bytes(seqs, 32, 8, 128, dev)
+    assert bound > 0
+    out = torch.empty(4, 32, 128, dtype=torch.bfloat16, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with set_current_vllm_config(config):
+        impl.forward(LAYER, out, None, None, torch.empty(0, device=dev), None, out)
+    assert torch.cuda.max_memory_allocated() - base >= bound
+    # a real split-KV decode of 1..seqs sequences allocates no more than the bound
+    from atom.ops.attention_triton import paged_attention_fwd
+
+    cache = torch.randn(64, 16, 8, 128, dtype=torch.bfloat16, device=dev)
+    for n in (1, 7, 66, seqs):
+        q = torch.randn(n, 32, 128, dtype=torch.bfloat16, device=dev)
+        bt = torch.randint(0, 64, (n, 8), dtype=torch.int32, device=dev)
+        lens = torch.full((n,), 128, dtype=torch.int32, device=dev)
+        qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        o = torch.empty_like(q)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        paged_attention_fwd(q, cache, cache, bt, lens, qsl, 1, 128, 0.1, out=o)
+        assert torch.cuda.max_memory_allocated() - base <= bound, n
