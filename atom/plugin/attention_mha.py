@@ -337,7 +337,7 @@ class VLLMMHAImplMethods:
         # float32 softmax statistics, so keep a float32 copy once the real values are in.
         if self.sinks is not None:
             self.sinks = self.sinks.detach().to(torch.float32)
-        self.weights_processed_dtype = act_dtype
+        self.weights_processed_dtype = act_dtype  # what vLLM passed (the engine tests read it)
 
     def do_kv_cache_update(
         self,
