@@ -129,7 +129,8 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION", "bool", "0",
             "Fuse QK-RMSNorm + RoPE + KV-cache write (+ fp8 quantisation) into one kernel in "
-            "atom's attention (Qwen3 family).",
+            "atom's attention impl, for atom's Qwen3 / Qwen3-MoE models on atom's MHA backend "
+            "(no effect with vLLM's attention backend or vLLM's own model classes).",
             _parse_bool, _BOOL,
         ),
         EnvVar(

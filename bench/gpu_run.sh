@@ -9,6 +9,11 @@
 #   e2e      ../shared/gpu/bench_vllm_baseline.py (carried in .stage/tools) on its dense Qwen3
 #            (E2E_MODEL=tiny-qwen3moe for the MoE one), stock (ATOM_DISABLE_VLLM_PLUGIN=1) then
 #            atom, same process settings -> $OUT/e2e
+#   attn     bench/attention_e2e.py: vLLM's own Qwen3 (Qwen3-8B dims, 4 layers, bf16) on atom's
+#            MHA backend vs vLLM's default, cudagraph_mode PIECEWISE and FULL_AND_PIECEWISE
+#            (token agreement, logprob diff, decode tok/s, batch-1 ms/token) -> $OUT/attn_e2e_*.json
+#            (ATTN_MODES=PIECEWISE / =FULL_AND_PIECEWISE splits it over two calls if 10 min is tight;
+#            the checkpoint is built once under /tmp/models)
 # Results land under $OUT, which the device tool brings back.
 set -uo pipefail
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
@@ -30,6 +35,10 @@ for step in "$@"; do
                  timeout 280 python3 $B run --model /tmp/models/$m --json "$OUT/e2e/${m}_$side.json" > "$OUT/e2e/${m}_$side.log" 2>&1
                  grep -E "atom\]|tok/s|ms/token|Error" "$OUT/e2e/${m}_$side.log" | tail -8
              done; unset ATOM_DISABLE_VLLM_PLUGIN ;;
+        attn) m="${ATTN_MODES:-PIECEWISE,FULL_AND_PIECEWISE}"; tag="${m//,/_}"
+              timeout 590 python3 bench/attention_e2e.py --layers "${ATTN_LAYERS:-4}" --modes "$m" --timeout 280 \
+                  --model "/tmp/models/attn-qwen3-${ATTN_LAYERS:-4}l" --out "$OUT/attn_e2e_$tag.json" \
+                  > "$OUT/attn_e2e_$tag.txt" 2>&1; grep "attn-e2e" "$OUT/attn_e2e_$tag.txt" | tail -12 ;;
         *) echo "unknown step $step" ;;
     esac
 done

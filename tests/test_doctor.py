@@ -38,7 +38,7 @@ def test_active(capsys):
     assert "vLLM support: yes" in out and "device: cpu" in out
     assert "vllm.attention.pwal_default_dtype: applied" in out
     assert "rms_norm" in out and "torch" in out  # per-op backend and why
-    assert "  mha: atom.plugin.attention.ATOMAttentionBackend (atom MHA backend)" in out
+    assert "  mha: atom.plugin.attention_mha.ATOMAttentionBackend (atom MHA backend)" in out
     assert "  mla: vLLM default (atom has no MLA attention backend yet)" in out
     assert out.strip().splitlines()[-1].startswith("atom would activate")
 

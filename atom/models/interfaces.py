@@ -86,6 +86,11 @@ class AttentionFactory(Protocol):
         sliding_window: Optional[int] = None,
     ) -> nn.Module: ...
 
+    # Optional: ``fuse_qk_norm_rope(layer, q_norm, k_norm, rotary) -> bool``. A factory that has
+    # it may take over a layer's per-head QK RMSNorm and RoPE (modules with ``weight``/``eps`` and
+    # ``cos_sin_cache``/``rotary_dim``/``is_neox_style``); when it returns True the model passes
+    # that layer q/k before norm and rotation. Models look it up with ``getattr``.
+
 
 class LMHead(Protocol):
     """What a host needs of a model's vocab-parallel output projection."""

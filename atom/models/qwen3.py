@@ -75,10 +75,15 @@ class Qwen3Attention(nn.Module):
             num_kv_heads=self.num_kv_heads,
             prefix=_join(prefix, "attn"),
         )
+        # The host may fuse QK-norm + RoPE + cache write into its attention (see AttentionFactory).
+        fuse = getattr(make_attention, "fuse_qk_norm_rope", None)
+        self.qk_norm_rope_fused = bool(fuse is not None and fuse(self.attn, self.q_norm, self.k_norm, rotary_emb))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_rope_fused:
+            return self.o_proj(self.attn(q, k, v))
         t = qkv.shape[0]
         # Qwen3's QK-norm: RMSNorm of every head separately, before RoPE.
         q = self.q_norm(q.view(t, self.num_heads, self.head_dim)).view(t, self.q_size)

@@ -19,6 +19,7 @@ record cannot apply; an implicit apply refuses that one record with one warning 
 
 from __future__ import annotations
 
+import abc
 import enum
 import importlib
 import sys
@@ -310,8 +311,17 @@ def _install_injection(entry: _Entry, cls: type) -> None:
         sites.append(_Site(cls, member, cls.__dict__.get(member, _MISSING), value))
         setattr(cls, member, value)
     entry.sites = sites
+    _refresh_abstract(cls)
     entry.state, entry.detail = State.APPLIED, ""
     logger.debug("injection %s applied to %s (%s)", rec.id, rec.target, ", ".join(rec.members))
+
+
+def _refresh_abstract(owner: Any) -> None:
+    """An ABC computes ``__abstractmethods__`` once, at class creation: recompute it after members
+    were injected or removed, so an injected abstract member makes the class instantiable and a
+    revert makes it abstract again."""
+    if isinstance(owner, type) and hasattr(owner, "__abstractmethods__"):
+        abc.update_abstractmethods(owner)
 
 
 def apply_to_class(record: Injection, cls: type) -> Status:
@@ -345,6 +355,7 @@ def revert(record: Record) -> bool:
                     delattr(site.owner, site.name)
                 else:
                     setattr(site.owner, site.name, site.original)
+                _refresh_abstract(site.owner)
                 restored = True
             else:
                 warn_once(

@@ -15,7 +15,7 @@ from atom import envs
 #: atom's attention backends for vLLM, by kind. A kind without an entry (MLA, for now) makes the
 #: platform return vLLM's own choice and say why once.
 ATTENTION_BACKENDS: dict[str, str] = {
-    "mha": "atom.plugin.attention.ATOMAttentionBackend",
+    "mha": "atom.plugin.attention_mha.ATOMAttentionBackend",
 }
 
 
@@ -38,7 +38,13 @@ def select_attention_backend(attn_selector_config: Any) -> tuple[Optional[str], 
         module = importlib.import_module(module_name)
     except ImportError as exc:  # no (importable) vLLM: nothing to select for
         return None, f"atom's {kind.upper()} backend cannot be imported ({exc})"
-    reasons = getattr(module, cls_name).unsupported_reasons(attn_selector_config)
+    from atom.plugin.attention import apply_decorators, unsupported_reasons
+
+    # The decorators make atom's classes a vLLM backend: applied now that vLLM asks (idempotent).
+    not_applied = apply_decorators(kind)
+    if not_applied is not None:
+        return None, not_applied
+    reasons = unsupported_reasons(getattr(module, cls_name), attn_selector_config)
     if reasons:
         return None, f"atom's {kind.upper()} backend does not support this layer: {', '.join(reasons)}"
     taken = module.register()

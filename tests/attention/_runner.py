@@ -36,12 +36,39 @@ def attention_impls(llm: Any) -> list[str]:
     return llm.apply_model(impls)[0]
 
 
-def run(model_dir: str, prompts: list[list[int]]) -> dict[str, Any]:
+def layer_facts(llm: Any) -> dict[str, Any]:
+    """Model class, how many impls run atom's fused QK-norm path, and the ``act_dtype`` each
+    atom impl's ``process_weights_after_loading`` was called with by vLLM's loader."""
+
+    def facts(model: Any) -> dict[str, Any]:
+        impls = [m.impl for _, m in model.named_modules() if hasattr(m, "impl")]
+        return {
+            "model_class": f"{type(model).__module__}.{type(model).__name__}",
+            "layers": len(impls),
+            "fused": sum(getattr(i, "fused", None) is not None for i in impls),
+            "post_load_dtypes": sorted({str(getattr(i, "weights_processed_dtype", None)) for i in impls}),
+        }
+
+    return llm.apply_model(facts)[0]
+
+
+def use_vllm_qwen3() -> None:
+    """vLLM's own Qwen3 class instead of atom's override (engine in this process: plugins are
+    loaded now, so the engine's later load is a no-op)."""
+    from vllm import ModelRegistry
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    ModelRegistry.register_model("Qwen3ForCausalLM", "vllm.model_executor.models.qwen3:Qwen3ForCausalLM")
+
+
+def run(model_dir: str, prompts: list[list[int]], **engine_kwargs: Any) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, **ENGINE_KWARGS)
+    llm = LLM(model=model_dir, **{**ENGINE_KWARGS, **engine_kwargs})
     try:
         impls = attention_impls(llm)
+        facts = layer_facts(llm)
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         rows = []
@@ -51,7 +78,7 @@ def run(model_dir: str, prompts: list[list[int]]) -> dict[str, Any]:
                 "tokens": list(c.token_ids),
                 "logprobs": [float(e[t].logprob) for e, t in zip(c.logprobs, c.token_ids)],
             })
-        return {"impls": impls, "rows": rows}
+        return {"impls": impls, "rows": rows, "facts": facts}
     finally:
         del llm
         gc.collect()
@@ -61,13 +88,19 @@ def run(model_dir: str, prompts: list[list[int]]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    model_dir, prompts_path, out_path = argv
+    """``MODEL_DIR PROMPTS.json OUT.json [ENGINE_KWARGS_JSON] [--vllm-qwen3]``"""
+    vllm_qwen3 = "--vllm-qwen3" in argv
+    argv = [a for a in argv if a != "--vllm-qwen3"]
+    model_dir, prompts_path, out_path, *extra = argv
+    engine_kwargs = json.loads(extra[0]) if extra else {}
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
+    if vllm_qwen3:
+        use_vllm_qwen3()
     with open(prompts_path) as f:
         prompts = json.load(f)
     with open(out_path, "w") as f:
-        json.dump(run(model_dir, prompts), f)
+        json.dump(run(model_dir, prompts, **engine_kwargs), f)
     return 0
 
 

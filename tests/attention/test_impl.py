@@ -10,21 +10,31 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from atom.plugin.attention import ATOMAttentionBackend, ATOMAttentionImpl, ATOMAttentionMetadata
+from atom.plugin.attention_mha import ATOMAttentionBackend, ATOMAttentionImpl, ATOMAttentionMetadata
 from atom.plugin.vllm import compat
 
 NUM_HEADS, NUM_KV_HEADS, HEAD = 4, 2, 32
 BLOCK, NUM_BLOCKS = 16, 12
-LAYER = SimpleNamespace()  # the impl reads nothing from the layer (no fp8 scales)
+LAYER = SimpleNamespace()  # the impl reads nothing from the layer without an fp8 cache
+# vLLM's layer holds per-tensor float32 scales (_k_scale / _v_scale buffers of shape ())
+FP8_LAYER = SimpleNamespace(_k_scale=torch.tensor(0.011), _v_scale=torch.tensor(0.007))
 
 
-def _vllm_cache(layout_name: str) -> torch.Tensor:
+def _fp8_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What an fp8 cache holds, dequantised (the reference attends over these values)."""
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
+def _vllm_cache(layout_name: str, kv_dtype: str = "auto") -> torch.Tensor:
     """vLLM >= 0.29: a logical [B, H, N, 2D] view whose physical order is the layout's."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     order = KVCacheLayout[layout_name].layer_view_order  # physical order of the [B, H, N, C] axes
     logical = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK, 2 * HEAD)
-    physical = torch.full([logical[i] for i in order], float("nan"))
+    if kv_dtype == "fp8":  # vLLM allocates fp8 caches as uint8 (0x7f = nan in e4m3)
+        physical = torch.full([logical[i] for i in order], 0x7F, dtype=torch.uint8)
+    else:
+        physical = torch.full([logical[i] for i in order], float("nan"))
     inverse = [order.index(i) for i in range(4)]
     view = physical.permute(*inverse)
     assert view.shape == logical
@@ -49,21 +59,25 @@ def _dense(q, k, v, q_len, scale, window, sinks):
 
 
 _CASES = [
-    pytest.param(layout, window, sinks, "auto", id=f"{layout}-w{window}-sinks{int(sinks)}")
+    pytest.param(layout, window, sinks, "auto", "auto", id=f"{layout}-w{window}-sinks{int(sinks)}")
     for layout in ("LBNHC", "LBHNC", "BLNHC")
     for window, sinks in ((None, False), (7, False), (None, True), (5, True))
 ] + [
     # atom's Triton kernels through the impl (interpreted on CPU): the GPU code path's indexing
     # of vLLM's strided cache views, on a token-major and a head-major layout.
-    pytest.param(layout, 5, True, "triton", id=f"{layout}-w5-sinks1-triton") for layout in ("LBNHC", "LBHNC")
+    pytest.param(layout, 5, True, "triton", "auto", id=f"{layout}-w5-sinks1-triton") for layout in ("LBNHC", "LBHNC")
 ] + [
     # vLLM <= 0.28 allocates get_kv_cache_shape's tensor (the release is simulated here)
-    pytest.param("get_kv_cache_shape", 5, True, "auto", id="0.26-shape-w5-sinks1"),
+    pytest.param("get_kv_cache_shape", 5, True, "auto", "auto", id="0.26-shape-w5-sinks1"),
+] + [
+    # fp8 KV cache (kv_cache_dtype="fp8"): quantised writes with the layer's scales, dequantised reads
+    pytest.param(layout, window, True, backend, "fp8", id=f"{layout}-w{window}-fp8-{backend}")
+    for layout, window, backend in (("LBNHC", None, "auto"), ("LBHNC", 5, "auto"), ("LBNHC", 5, "triton"))
 ]
 
 
-@pytest.mark.parametrize("layout,window,with_sinks,ops_backend", _CASES)
-def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, monkeypatch):
+@pytest.mark.parametrize("layout,window,with_sinks,ops_backend,kv_dtype", _CASES)
+def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, kv_dtype, monkeypatch):
     if layout == "get_kv_cache_shape":
         from packaging.version import Version
 
@@ -80,13 +94,14 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, m
         monkeypatch.setenv("ATOM_OPS_BACKEND", "paged_attention=triton,reshape_and_cache=triton")
     torch.manual_seed(0)
     sinks = torch.randn(NUM_HEADS) if with_sinks else None
-    impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 1 / math.sqrt(HEAD), NUM_KV_HEADS, None, window, "auto",
+    impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 1 / math.sqrt(HEAD), NUM_KV_HEADS, None, window, kv_dtype,
                              None, "decoder", None, sinks=sinks)
+    layer = FP8_LAYER if kv_dtype == "fp8" else LAYER
     impl.process_weights_after_loading(torch.float32)
     if layout == "get_kv_cache_shape":
         kv_cache = torch.full(ATOMAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD), float("nan"))
     else:
-        kv_cache = _vllm_cache(layout)
+        kv_cache = _vllm_cache(layout, kv_dtype)
 
     # (context already cached, new tokens): a prefill, a decode, a chunk after cached context
     shapes = [(0, 6), (20, 1), (17, 9)]
@@ -101,7 +116,7 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, m
     # earlier steps' tokens, written through the same hook vLLM calls
     for s, (c, _) in enumerate(shapes):
         if c:
-            impl.do_kv_cache_update(LAYER, full_k[s][:c], full_v[s][:c], kv_cache, slots(s, range(c)))
+            impl.do_kv_cache_update(layer, full_k[s][:c], full_v[s][:c], kv_cache, slots(s, range(c)))
 
     new_k = torch.cat([full_k[s][c:] for s, (c, _) in enumerate(shapes)])
     new_v = torch.cat([full_v[s][c:] for s, (c, _) in enumerate(shapes)])
@@ -109,7 +124,7 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, m
     num_tokens = new_k.shape[0]
     q = torch.randn(num_tokens + 3, NUM_HEADS, HEAD)  # +3 padding rows, as vLLM may pass
     pad = torch.zeros(3, NUM_KV_HEADS, HEAD)
-    impl.do_kv_cache_update(LAYER, torch.cat([new_k, pad]), torch.cat([new_v, pad]), kv_cache, slot_mapping)
+    impl.do_kv_cache_update(layer, torch.cat([new_k, pad]), torch.cat([new_v, pad]), kv_cache, slot_mapping)
 
     q_lens = [n for _, n in shapes]
     md = ATOMAttentionMetadata(
@@ -120,8 +135,11 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, m
         block_table=block_table, slot_mapping=slot_mapping,
     )
     output = torch.full_like(q, float("nan"))
-    assert impl.forward(LAYER, q, new_k, new_v, kv_cache, md, output) is output
+    assert impl.forward(layer, q, new_k, new_v, kv_cache, md, output) is output
 
+    if kv_dtype == "fp8":
+        full_k = [_fp8_round_trip(k, layer._k_scale) for k in full_k]
+        full_v = [_fp8_round_trip(v, layer._v_scale) for v in full_v]
     start = 0
     for s, (c, n) in enumerate(shapes):
         want = _dense(q[start:start + n], full_k[s], full_v[s], n, impl.scale, window, sinks)
@@ -150,8 +168,131 @@ def test_profiling_run_without_metadata_returns_zeros():
     ({"alibi_slopes": [1.0] * NUM_HEADS}, "ALiBi"),
     ({"logits_soft_cap": 30.0}, "soft-cap"),
     ({"attn_type": "encoder"}, "decoder attention"),
-    ({"kv_cache_dtype": "fp8"}, "fp8 KV cache"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "fp8_e5m2 KV cache"),
 ])
 def test_impl_refuses_what_the_selector_cannot_see(kw, match):
     with pytest.raises(NotImplementedError, match=match):
         ATOMAttentionImpl(NUM_HEADS, HEAD, 0.1, NUM_KV_HEADS, **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_fused_qk_norm_rope_path_equals_norm_rope_then_attention(kv_dtype, tiny_model):
+    """A layer on the fused path (q/k handed over before QK-norm and RoPE, positions from the
+    builder) computes what norm -> RoPE -> do_kv_cache_update -> forward computes."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from atom.models._layers import RMSNorm, RotaryEmbedding
+    from atom.plugin.attention_mha import ATOMAttentionMetadataBuilder, FusedQKNormRope
+
+    torch.manual_seed(0)
+    q_norm, k_norm = RMSNorm(HEAD, 1e-6), RMSNorm(HEAD, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.normal_(1.0, 0.3), k_norm.weight.normal_(1.0, 0.3)
+    rope = RotaryEmbedding(HEAD, {"rope_type": "default", "rope_theta": 10000.0}, 128)
+    layer = FP8_LAYER if kv_dtype == "fp8" else LAYER
+    plain = ATOMAttentionImpl(NUM_HEADS, HEAD, HEAD ** -0.5, NUM_KV_HEADS, kv_cache_dtype=kv_dtype)
+    fused = ATOMAttentionImpl(NUM_HEADS, HEAD, HEAD ** -0.5, NUM_KV_HEADS, kv_cache_dtype=kv_dtype)
+    fused.enable_fused_qk_norm_rope(FusedQKNormRope(q_norm, k_norm, rope))
+
+    # a prefill of 6, a decode at 20, a chunk of 9 after 17 (earlier tokens written by the plain path)
+    q_lens, seq_lens = [6, 1, 9], [6, 21, 26]
+    block_table = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    qsl = torch.tensor([0, 6, 7, 16], dtype=torch.int32)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
+    slot_mapping = torch.tensor([int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK
+                                 for r, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)])
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=3, num_actual_tokens=16, max_query_len=9, max_seq_len=26,
+        block_table_tensor=block_table, slot_mapping=slot_mapping,
+    )
+    config = EngineArgs(model=str(tiny_model("qwen3", "float32")), max_model_len=128,
+                        dtype="float32").create_engine_config()
+    config.compilation_config.static_forward_context["l.attn"] = SimpleNamespace(impl=fused)
+    try:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=NUM_KV_HEADS, head_size=HEAD, dtype=torch.float32)
+        builder = ATOMAttentionMetadataBuilder(spec, ["l.attn"], config, torch.device("cpu"))
+        md = builder.build(0, common)
+    finally:
+        del config.compilation_config.static_forward_context["l.attn"]
+    assert builder.fused_layers == ["l.attn"]
+    assert torch.equal(md.positions, positions)
+
+    def cache():
+        if kv_dtype == "fp8":
+            return torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.uint8)
+        return torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK, 2 * HEAD)
+
+    q, k, v = torch.randn(16, NUM_HEADS, HEAD), torch.randn(16, NUM_KV_HEADS, HEAD), torch.randn(16, NUM_KV_HEADS, HEAD)
+    cache_plain, cache_fused = cache(), cache()
+    old_k, old_v = torch.randn(20, NUM_KV_HEADS, HEAD), torch.randn(20, NUM_KV_HEADS, HEAD)
+    old_slots = torch.tensor([int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK
+                              for r, c in ((1, 20),) for p in range(c)])
+    for c in (cache_plain, cache_fused):  # context of the decode request, already cached
+        plain.do_kv_cache_update(layer, old_k, old_v, c, old_slots)
+    c_slots = torch.tensor([int(block_table[2, p // BLOCK]) * BLOCK + p % BLOCK for p in range(17)])
+    ck, cv = torch.randn(17, NUM_KV_HEADS, HEAD), torch.randn(17, NUM_KV_HEADS, HEAD)
+    for c in (cache_plain, cache_fused):
+        plain.do_kv_cache_update(layer, ck, cv, c, c_slots)
+
+    # unfused: what the model does itself, then vLLM's two calls
+    qn = q_norm(q.clone()).reshape(16, NUM_HEADS * HEAD)
+    kn = k_norm(k.clone()).reshape(16, NUM_KV_HEADS * HEAD)
+    qn, kn = rope(positions, qn, kn)
+    qn, kn = qn.view(16, NUM_HEADS, HEAD), kn.view(16, NUM_KV_HEADS, HEAD)
+    plain.do_kv_cache_update(layer, kn, v, cache_plain, slot_mapping)
+    want = plain.forward(layer, qn, kn, v, cache_plain, md, torch.empty_like(q))
+    # fused: vLLM's do_kv_cache_update is a no-op, forward does everything
+    before = cache_fused.clone()
+    fused.do_kv_cache_update(layer, k.clone(), v, cache_fused, slot_mapping)
+    assert torch.equal(cache_fused, before)
+    got = fused.forward(layer, q.clone(), k.clone(), v, cache_fused, md, torch.empty_like(q))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache_fused.float(), cache_plain.float(), atol=0, rtol=0)
+
+
+def test_split_kv_workspace_bound():
+    from atom.plugin.attention_mha import split_kv_workspace_bytes
+
+    assert split_kv_workspace_bytes(256, 32, 8, 128, torch.device("cpu")) == 0  # torch reference: none
+
+
+@pytest.mark.gpu
+def test_profiling_run_allocates_the_decode_workspace_bound():
+    """vLLM measures the peak during its profiling run (no metadata): the impl's branch must
+    reach the split-KV partials' upper bound there, and a real decode must stay under it."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from atom.plugin.attention_mha import split_kv_workspace_bytes
+
+    dev = torch.device("cuda")
+    config = VllmConfig()
+    seqs = config.scheduler_config.max_num_seqs
+    impl = ATOMAttentionImpl(32, 128, 128 ** -0.5, 8)
+    impl.process_weights_after_loading(torch.bfloat16)
+    bound = split_kv_workspace_bytes(seqs, 32, 8, 128, dev)
+    assert bound > 0
+    out = torch.empty(4, 32, 128, dtype=torch.bfloat16, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with set_current_vllm_config(config):
+        impl.forward(LAYER, out, None, None, torch.empty(0, device=dev), None, out)
+    assert torch.cuda.max_memory_allocated() - base >= bound
+    # a real split-KV decode of 1..seqs sequences allocates no more than the bound
+    from atom.ops.attention_triton import paged_attention_fwd
+
+    cache = torch.randn(64, 16, 8, 128, dtype=torch.bfloat16, device=dev)
+    for n in (1, 7, 66, seqs):
+        q = torch.randn(n, 32, 128, dtype=torch.bfloat16, device=dev)
+        bt = torch.randint(0, 64, (n, 8), dtype=torch.int32, device=dev)
+        lens = torch.full((n,), 128, dtype=torch.int32, device=dev)
+        qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        o = torch.empty_like(q)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        paged_attention_fwd(q, cache, cache, bt, lens, qsl, 1, 128, 0.1, out=o)
+        assert torch.cuda.max_memory_allocated() - base <= bound, n

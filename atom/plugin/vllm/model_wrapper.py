@@ -32,7 +32,8 @@ from torch import nn
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from atom._logging import get_logger
+from atom import envs
+from atom._logging import get_logger, info_once
 from atom.models.interfaces import CausalLM, ModelParallel, missing_causal_lm_members
 from atom.plugin.config import atom_config_from_vllm, plugin_config_from_vllm
 from atom.plugin.models import BY_ARCH
@@ -56,6 +57,8 @@ class VllmAttentionFactory:
 
     cache_config: Any  # vllm.config.CacheConfig
     quant_config: Any = None  # vllm QuantizationConfig or None
+    #: ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION, read when the wrapper builds the model.
+    qk_norm_rope_fusion: bool = False
 
     def __call__(
         self,
@@ -78,6 +81,26 @@ class VllmAttentionFactory:
             per_layer_sliding_window=sliding_window,
             prefix=prefix,
         )
+
+
+    def fuse_qk_norm_rope(self, layer: nn.Module, q_norm: nn.Module, k_norm: nn.Module,
+                          rotary: nn.Module) -> bool:
+        """Hand ``layer``'s impl the model's QK-norm and RoPE (see ``atom.models.interfaces``):
+        True when the impl now applies them and writes the cache in one op inside ``forward``,
+        so the model must pass q/k un-normed and un-rotated. False (the model does both itself)
+        when the fusion is off or the layer's backend is not atom's (e.g.
+        ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1)."""
+        if not self.qk_norm_rope_fusion:
+            return False
+        enable = getattr(layer.impl, "enable_fused_qk_norm_rope", None)
+        if enable is None:
+            info_once("qk-fusion-backend", f"ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=1 ignored: attention "
+                      f"impl {type(layer.impl).__name__} is not atom's", logger)
+            return False
+        from atom.plugin.attention_mha import FusedQKNormRope
+
+        enable(FusedQKNormRope(q_norm=q_norm, k_norm=k_norm, rotary=rotary))
+        return True
 
 
 class _HeadMethod(UnquantizedEmbeddingMethod):
@@ -159,7 +182,8 @@ class ATOMModelBase(nn.Module):
         model = model_cls(
             self.atom_config,
             make_attention=VllmAttentionFactory(self.plugin_config.vllm_cache_config,
-                                                self.plugin_config.vllm_quant_config),
+                                                self.plugin_config.vllm_quant_config,
+                                                qk_norm_rope_fusion=envs.ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION),
             parallel=model_parallel(groups),
             prefix=prefix,
         )
