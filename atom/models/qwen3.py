@@ -144,7 +144,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = Qwen3Attention(
             hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, "self_attn"), attention_options
         )
-        # Variants (Qwen3-MoE) differ from the dense model only in this block.
+        # MoE variants (Qwen3-MoE, Mixtral, GLM-4-MoE) differ from the dense model in this block.
         self.mlp = mlp if mlp is not None else Qwen3MLP(hf_config, parallel, dtype)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)

@@ -197,3 +197,17 @@ def tiny_hf_model(kind: str, out_dir: Any, **overrides: Any) -> tuple[nn.Module,
                 b.normal_(0.0, 0.05)  # a zero-initialised buffer in HF: make the correction count
     model.save_pretrained(out_dir, safe_serialization=True)
     return model, load_file(f"{out_dir}/model.safetensors")
+
+
+def greedy_run_stats(ours: dict, theirs: dict) -> dict[str, float]:
+    """Measured distance of two greedy runs (printed by the model tests, for the record):
+    max/mean |d logprob| teacher-forced over the prompts, max over the sampled tokens while the
+    continuations agree, and the fraction of tokens before the first divergence."""
+    prompt_diffs, sampled, agreeing, total = [], [0.0], 0, 0
+    for a, b in zip(ours["rows"], theirs["rows"]):
+        prompt_diffs += [abs(x - y) for x, y in zip(a["prompt_logprobs"], b["prompt_logprobs"])]
+        n = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
+        sampled += [abs(x - y) for x, y in zip(a["logprobs"][:n], b["logprobs"][:n])]
+        agreeing, total = agreeing + n, total + len(a["tokens"])
+    return {"prompt_max": max(prompt_diffs), "prompt_mean": sum(prompt_diffs) / len(prompt_diffs),
+            "sampled_max": max(sampled), "agreeing": agreeing / total}

@@ -19,6 +19,7 @@ from tests.models._harness import (
     assert_same_greedy_run,
     build_atom_model,
     full_logits,
+    greedy_run_stats,
     mixed_prompts,
     run_ranks,
     tiny_hf_model,
@@ -61,6 +62,7 @@ def test_vllm_builds_atom_llama_model(atom_runs):
 
 
 def test_fp32_greedy_tokens_equal_stock_vllm(atom_runs, stock_runs):
+    print("fp32 atom vs stock:", greedy_run_stats(atom_runs["float32"], stock_runs["float32"]))
     assert_same_greedy_run(atom_runs["float32"], stock_runs["float32"], FP32_LOGPROB_ATOL)
 
 
@@ -69,6 +71,9 @@ def test_fp32_greedy_tokens_equal_hf_transformers(atom_runs, hf_fp32_tokens):
 
 
 def test_bf16_logprobs_close_to_stock_vllm(atom_runs, stock_runs):
+    print("bf16 atom vs stock:", greedy_run_stats(atom_runs["bfloat16"], stock_runs["bfloat16"]))
+    print("bf16 vs fp32, stock:", greedy_run_stats(stock_runs["bfloat16"], stock_runs["float32"]),
+          "atom:", greedy_run_stats(atom_runs["bfloat16"], atom_runs["float32"]))
     assert_close_greedy_run(atom_runs["bfloat16"], stock_runs["bfloat16"], BF16_LOGPROB_ATOL)
 
 
