@@ -26,6 +26,9 @@ from tests.models._harness import (
 )
 
 NUM_LAYERS = 2  # atom.testing.tiny_models.KINDS["llama"]
+# Measured atom vs stock vLLM on the tiny checkpoint, 8 prompts: fp32 tokens identical, max
+# |d logprob| 1e-6; bf16: 0.015 (teacher-forced prompt) and 0.016 (sampled), all continuations
+# agree, where bf16 itself is 0.012 (stock) / 0.011 (atom) from fp32. ~10x headroom.
 FP32_LOGPROB_ATOL = 1e-3
 BF16_LOGPROB_ATOL = 0.15
 
