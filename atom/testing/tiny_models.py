@@ -37,6 +37,31 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
         max_position_embeddings=512, tie_word_embeddings=False,
     )),
+    # Llama 3.1-style: llama3 RoPE scaling (original context 64, so most frequencies are
+    # interpolated), biases on attention and MLP, tied head.
+    "llama": ("LlamaConfig", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+    )),
+    "mixtral": ("MixtralConfig", dict(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=10000.0,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False,
+    )),
+    # Layer 0 dense, layer 1 sparse (8 experts in 2 groups, top-2 from the best group, a shared
+    # expert); partial rotary (half of each head), QK-norm, q/k/v biases; one MTP layer's
+    # tensors after the last layer (see _add_mtp_layer), which loaders must skip.
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, attention_bias=True,
+        use_qk_norm=True, num_nextn_predict_layers=1, tie_word_embeddings=False,
+    )),
 }
 
 VOCAB_SIZE = 1024
@@ -104,6 +129,10 @@ def build(kind: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16"
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # A buffer in HF (zero-initialised): drawn so that the routing correction counts.
+                b.normal_(0.0, 0.05)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     if kind == "deepseek_v3":
@@ -112,7 +141,29 @@ def build(kind: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16"
         cfg = json.loads((out / "config.json").read_text())
         cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if kind == "glm4_moe":
+        _add_mtp_layer(out, int(kwargs["num_hidden_layers"]))
     return out
+
+
+def _add_mtp_layer(out: Path, num_layers: int) -> None:
+    """Append tensors of one multi-token-prediction layer (``model.layers.{num_layers}.*``: the
+    last decoder layer's weights plus MTP's own projection and norms), as GLM-4.5 checkpoints
+    ship them; transformers' model neither builds nor saves it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    extra = {mtp + name[len(last):]: t.clone() for name, t in tensors.items() if name.startswith(last)}
+    hidden = tensors["model.norm.weight"].shape[0]
+    dtype = tensors["model.norm.weight"].dtype
+    g = torch.Generator().manual_seed(1)
+    extra[mtp + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=g) * 0.08).to(dtype)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        extra[mtp + f"{norm}.weight"] = torch.ones(hidden, dtype=dtype)
+    save_file({**tensors, **extra}, str(path), metadata={"format": "pt"})
 
 
 def main(argv: list[str]) -> int:

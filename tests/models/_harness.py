@@ -175,3 +175,39 @@ def run_ranks(group: ThreadGroup, step: Callable[[int], Any]) -> list[Any]:
         if isinstance(result, BaseException):
             raise AssertionError(f"rank {rank} failed") from result
     return results
+
+
+def tiny_hf_model(kind: str, out_dir: Any, **overrides: Any) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A random fp32 HF model of ``atom.testing.tiny_models`` kind ``kind`` (config fields
+    overridden by ``overrides``, weights drawn by :func:`widen_init`), and its tensors as
+    ``save_pretrained`` writes them into ``out_dir``: the checkpoint names a host's weight
+    iterator yields (one matrix per expert, not transformers' in-memory fused experts)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from atom.testing.tiny_models import KINDS, VOCAB_SIZE
+
+    cls_name, kwargs = KINDS[kind]
+    config = getattr(transformers, cls_name)(**{**kwargs, "vocab_size": VOCAB_SIZE, **overrides})
+    torch.manual_seed(0)
+    model = widen_init(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)  # a zero-initialised buffer in HF: make the correction count
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model, load_file(f"{out_dir}/model.safetensors")
+
+
+def greedy_run_stats(ours: dict, theirs: dict) -> dict[str, float]:
+    """Measured distance of two greedy runs (printed by the model tests, for the record):
+    max/mean |d logprob| teacher-forced over the prompts, max over the sampled tokens while the
+    continuations agree, and the fraction of tokens before the first divergence."""
+    prompt_diffs, sampled, agreeing, total = [], [0.0], 0, 0
+    for a, b in zip(ours["rows"], theirs["rows"]):
+        prompt_diffs += [abs(x - y) for x, y in zip(a["prompt_logprobs"], b["prompt_logprobs"])]
+        n = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
+        sampled += [abs(x - y) for x, y in zip(a["logprobs"][:n], b["logprobs"][:n])]
+        agreeing, total = agreeing + n, total + len(a["tokens"])
+    return {"prompt_max": max(prompt_diffs), "prompt_mean": sum(prompt_diffs) / len(prompt_diffs),
+            "sampled_max": max(sampled), "agreeing": agreeing / total}

@@ -75,3 +75,21 @@ def hf_fp32_tokens(checkpoint, prompts) -> list[list[int]]:
                                  max_new_tokens=runner.NEW_TOKENS, min_new_tokens=runner.NEW_TOKENS)
             rows.append(out[0, len(prompt):].tolist())
     return rows
+
+
+@pytest.fixture(scope="module")
+def hf_fp32_teacher_forced(checkpoint, prompts, atom_runs) -> list[list[int]]:
+    """HF transformers' fp32 argmax at every position of atom's fp32 greedy continuations, fed
+    atom's own tokens (one full forward per prompt, no KV cache). Equal to atom's tokens iff every
+    token atom chose is HF's choice for the same prefix; unlike ``hf_fp32_tokens`` a single
+    routing near-tie in HF's incremental decode cannot send the whole continuation elsewhere."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for prompt, row in zip(prompts, atom_runs["float32"]["rows"]):
+            ids = torch.tensor([prompt + row["tokens"][:-1]])
+            logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0]
+            rows.append(logits[len(prompt) - 1:].argmax(-1).tolist())
+    return rows

@@ -72,6 +72,7 @@ def test_atom_models_never_import_vllm():
     proc = run_python("""
         import sys
         import atom.models.qwen3, atom.models.qwen3_moe, atom.models._moe, atom.models.interfaces
+        import atom.models.llama, atom.models.mixtral, atom.models.glm4_moe
         print("VLLM", sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
