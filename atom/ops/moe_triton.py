@@ -10,7 +10,8 @@ fused_moe pipeline (one launch each, no host synchronisation):
    ``block_k`` channels.
 3. ``_moe_gemm1_kernel``: per BLOCK_M block of sorted pairs (one expert), the gate and up
    halves of ``w13`` are multiplied in the same K loop; the epilogue adds the expert's bias
-   (GPT-OSS) and applies ``silu(gate) * up`` or the clamped ``swigluoai``; with fp8 and BLOCK_N == block_k the epilogue also quantises the result per
+   (GPT-OSS) and applies ``silu(gate) * up`` or the clamped ``swigluoai``; with fp8 and
+   BLOCK_N == block_k the epilogue also quantises the result per
    token-group, so the second GEMM reads fp8 directly.
 4. ``_moe_gemm2_kernel``: the down projection; the epilogue adds the expert's bias,
    multiplies by the routing weight
