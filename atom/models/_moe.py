@@ -38,7 +38,9 @@ GATE, UP, DOWN = 0, 1, 2
 
 
 class FusedMoE(nn.Module):
-    """Routed experts with SwiGLU: ``out = sum_k w_k * down_e(silu(gate_e x) * up_e x)``.
+    """Routed experts with SwiGLU: ``out = sum_k w_k * down_e(silu(gate_e x) * up_e x)``
+    (or, with ``activation="swigluoai"`` and ``bias``, GPT-OSS's biased, clamped variant; see
+    :func:`atom.ops.fused_moe`).
 
     Args:
         num_experts: global expert count.
@@ -48,6 +50,10 @@ class FusedMoE(nn.Module):
         renormalize: rescale the top-k softmax weights to sum 1 (Qwen3's ``norm_topk_prob``).
         use_expert_parallel: split experts across the EP group instead of splitting each expert
             across the TP group.
+        activation: ``"silu"`` (SwiGLU) or ``"swigluoai"`` (GPT-OSS), with ``swiglu_alpha`` and
+            ``swiglu_limit`` for the latter.
+        bias: per-expert biases ``w13_bias [E, 2 * inter]`` and ``w2_bias [E, hidden]``. In
+            tensor-parallel mode only TP rank 0 adds ``w2_bias`` (the partial outputs are summed).
     """
 
     def __init__(
@@ -61,9 +67,16 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         use_expert_parallel: bool = False,
         dtype: Optional[torch.dtype] = None,
+        activation: str = "silu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: Optional[float] = 7.0,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.activation_kwargs = ({"activation": "swigluoai", "swiglu_alpha": float(swiglu_alpha),
+                                   "swiglu_limit": None if swiglu_limit is None else float(swiglu_limit)}
+                                  if activation == "swigluoai" else {"activation": activation})
         if use_expert_parallel:
             self.num_local_experts = divide(num_experts, parallel.ep_size, "num_experts (over the EP size)")
             self.expert_start = parallel.ep_rank * self.num_local_experts
@@ -77,6 +90,15 @@ class FusedMoE(nn.Module):
         e, i = self.num_local_experts, self.local_inter
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, hidden_size, dtype=dtype), requires_grad=False)
+            # TP ranks each hold a slice of every expert and their outputs are summed: the down
+            # bias must be added once, by rank 0. EP ranks hold whole experts: each adds its own.
+            self.adds_w2_bias = use_expert_parallel or parallel.tp_rank == 0
+        else:
+            self.w13_bias = self.w2_bias = None
+            self.adds_w2_bias = False
         if e < num_experts:
             # A buffer, not a parameter: derived from the layout, never in a checkpoint.
             expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
@@ -125,14 +147,17 @@ class FusedMoE(nn.Module):
                        topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts for a routing already chosen (``[T, top_k]`` weights and global ids),
         summed over the TP or EP group."""
-        out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, expert_map=self.expert_map)
+        out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, expert_map=self.expert_map,
+                            w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.adds_w2_bias else None,
+                            **self.activation_kwargs)
         if self.reduce_group is not None:
             out = self.reduce_group.all_reduce(out)
         return out
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_local_experts}/{self.num_experts} from {self.expert_start}, "
-                f"top_k={self.top_k}, local_inter={self.local_inter}")
+                f"top_k={self.top_k}, local_inter={self.local_inter}, {self.activation_kwargs['activation']}"
+                f"{', bias' if self.w13_bias is not None else ''}")
 
 
 class GroupedTopkRouter(nn.Module):

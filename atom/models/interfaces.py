@@ -72,7 +72,9 @@ class AttentionFactory(Protocol):
     this rank's (after tensor-parallel splitting). The layer finds its sequence boundaries and KV
     cache itself (vLLM: through its forward context, keyed by ``prefix``, which therefore must be
     unique per layer, e.g. ``model.layers.0.self_attn.attn``). ``sliding_window=None`` means the
-    host's model-level default.
+    host's model-level default. ``sinks`` (GPT-OSS): this rank's ``[num_heads]`` attention-sink
+    logits, a parameter of the model that the layer reads after the weights are loaded (each
+    adds ``exp(sink)`` to its head's softmax denominator).
     """
 
     def __call__(
@@ -84,6 +86,7 @@ class AttentionFactory(Protocol):
         num_kv_heads: int,
         prefix: str,
         sliding_window: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> nn.Module: ...
 
     # Optional: ``fuse_qk_norm_rope(layer, q_norm, k_norm, rotary) -> bool``. A factory that has

@@ -10,6 +10,17 @@ with ``w13 = [gate; up]`` (``[E, 2 * inter, hidden]``, gate rows first) and
 (global id -> local id, -1 = expert not on this rank) the weights hold only the local experts
 and pairs routed elsewhere contribute zero.
 
+GPT-OSS experts: optional biases ``w13_bias [E, 2 * inter]`` (added to ``w13 @ x``) and
+``w2_bias [E, hidden]`` (added to the down projection, before the routing weight), and
+``activation="swigluoai"``, the clamped SwiGLU on the same ``[gate; up]`` halves::
+
+    gate = min(gate, limit); up = clamp(up, -limit, limit)
+    swigluoai(h) = (up + 1) * gate * sigmoid(alpha * gate)
+
+(``swiglu_alpha`` default 1.702, ``swiglu_limit`` default 7.0, None = no clamp). Checkpoints
+that interleave gate and up columns (HF GPT-OSS: gate = ``[..., ::2]``) are de-interleaved
+into this layout when loaded, so the kernels read both halves as contiguous row blocks.
+
 fp8 block-scaled weights (``block_shape = [block_n, block_k]``, DeepSeek-V3 / Qwen3-FP8 style):
 ``w`` is float8_e4m3fn with one float32 scale per ``block_n x block_k`` tile
 (``w_scale[e, n // block_n, k // block_k]``, dequant = value * scale). Activations entering each
@@ -29,13 +40,16 @@ import torch
 from atom.ops._dispatch import Op, register
 
 __all__ = [
-    "topk_softmax", "grouped_topk_sigmoid", "fused_moe",
+    "topk_softmax", "grouped_topk_sigmoid", "fused_moe", "MOE_ACTIVATIONS",
     "topk_softmax_torch", "grouped_topk_sigmoid_torch", "fused_moe_torch",
     "per_token_group_quant_fp8_torch", "dequant_block_fp8_torch",
 ]
 
 FP8_MAX = 448.0
 _FP8 = torch.float8_e4m3fn
+
+#: Gated activations of the expert MLP (``activation=``): SwiGLU, and GPT-OSS's clamped SwiGLU.
+MOE_ACTIVATIONS = ("silu", "swigluoai")
 
 
 # -- routing -----------------------------------------------------------------------------------
@@ -209,10 +223,27 @@ def dequant_block_fp8_torch(w: torch.Tensor, scale: torch.Tensor,
     return w.float() * s
 
 
+def gated_activation_torch(h: torch.Tensor, activation: str = "silu", swiglu_alpha: float = 1.702,
+                           swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
+    """``h [rows, 2 * inter]`` (gate columns, then up columns) -> ``[rows, inter]``, float32."""
+    inter = h.shape[-1] // 2
+    gate, up = h[..., :inter].float(), h[..., inter:].float()
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation != "swigluoai":
+        raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(swiglu_alpha * gate))
+
+
 def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor],
                w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
-               block_shape: Optional[Sequence[int]], out: Optional[torch.Tensor] = None) -> None:
+               block_shape: Optional[Sequence[int]], out: Optional[torch.Tensor] = None,
+               w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
+               activation: str = "silu") -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, hidden], got {tuple(x.shape)}")
     t, hidden = x.shape
@@ -242,6 +273,12 @@ def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         raise ValueError("expert_map must be [num_global_experts]")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if w13_bias is not None and tuple(w13_bias.shape) != (e, two_inter):
+        raise ValueError(f"w13_bias must be [{e}, {two_inter}], got {tuple(w13_bias.shape)}")
+    if w2_bias is not None and tuple(w2_bias.shape) != (e, hidden):
+        raise ValueError(f"w2_bias must be [{e}, {hidden}], got {tuple(w2_bias.shape)}")
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -250,14 +287,18 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     w13_scale: Optional[torch.Tensor] = None,
                     w2_scale: Optional[torch.Tensor] = None,
                     block_shape: Optional[Sequence[int]] = None,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None,
+                    w13_bias: Optional[torch.Tensor] = None,
+                    w2_bias: Optional[torch.Tensor] = None,
+                    activation: str = "silu",
+                    swiglu_alpha: float = 1.702,
+                    swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
     """Reference fused MoE (float32 math, one dense matmul pair per expert that has tokens).
 
     Returns ``[tokens, hidden]`` in ``x``'s dtype (written into ``out`` when given).
     """
     _check_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, block_shape,
-               out)
-    inter = w13.shape[1] // 2
+               out, w13_bias, w2_bias, activation)
     fp8 = block_shape is not None
     if fp8:
         bk = int(block_shape[1])
@@ -274,10 +315,14 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             continue
         tok, slot = torch.nonzero(local == e, as_tuple=True)
         h = xin[tok] @ w13f[e].t()
-        a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        if w13_bias is not None:
+            h = h + w13_bias[e].float()
+        a = gated_activation_torch(h, activation, swiglu_alpha, swiglu_limit)
         if fp8:
             a = _qdq(a, bk)
         y = a @ w2f[e].t()
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
         acc.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
     if out is None:
         return acc.to(x.dtype)
@@ -288,10 +333,12 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def _fused_moe_triton_supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                                expert_map=None, w13_scale=None, w2_scale=None,
-                               block_shape=None, out=None) -> Optional[str]:
+                               block_shape=None, out=None, w13_bias=None, w2_bias=None,
+                               **activation) -> Optional[str]:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x dtype {x.dtype}"
-    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("out", out)):
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("out", out), ("w13_bias", w13_bias),
+                    ("w2_bias", w2_bias)):
         if t is not None and t.stride(-1) != 1:
             return f"{name} must be unit-stride in its last dim"
     if block_shape is not None:
@@ -306,14 +353,18 @@ def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       **kwargs) -> torch.Tensor:
     _check_moe(x, w13, w2, topk_weights, topk_ids, kwargs.get("expert_map"),
                kwargs.get("w13_scale"), kwargs.get("w2_scale"), kwargs.get("block_shape"),
-               kwargs.get("out"))
+               kwargs.get("out"), kwargs.get("w13_bias"), kwargs.get("w2_bias"),
+               kwargs.get("activation", "silu"))
     from atom.ops.moe_triton import fused_moe_fwd
 
     return fused_moe_fwd(x, w13, w2, topk_weights, topk_ids, **kwargs)
 
 
 def _fused_moe_aiter_supports(x: torch.Tensor, w13: torch.Tensor, *args, expert_map=None,
-                              block_shape=None, **kwargs) -> Optional[str]:
+                              block_shape=None, w13_bias=None, w2_bias=None, activation="silu",
+                              **kwargs) -> Optional[str]:
+    if w13_bias is not None or w2_bias is not None or activation != "silu":
+        return "expert biases and the swigluoai activation are not covered by atom's aiter binding"
     if expert_map is not None:
         return "expert_map (expert parallelism) is not covered by atom's aiter binding"
     if block_shape is not None:
@@ -342,6 +393,7 @@ fused_moe = register(Op(
     aiter_impl=_fused_moe_aiter,
     triton_supports=_fused_moe_triton_supports,
     aiter_supports=_fused_moe_aiter_supports,
-    doc="Fused MoE expert MLP (gate/up + SiLU-and-mul + down, routing-weighted sum); bf16 and "
-        "fp8 block-scaled weights; expert parallelism via expert_map.",
+    doc="Fused MoE expert MLP (gate/up + SiLU-and-mul or GPT-OSS's clamped SwiGLU + down, "
+        "optional expert biases, routing-weighted sum); bf16 and fp8 block-scaled weights; "
+        "expert parallelism via expert_map.",
 ))

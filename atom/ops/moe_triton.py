@@ -9,10 +9,12 @@ fused_moe pipeline (one launch each, no host synchronisation):
 2. (fp8) ``_group_quant_kernel``: activations -> fp8 with one scale per token and group of
    ``block_k`` channels.
 3. ``_moe_gemm1_kernel``: per BLOCK_M block of sorted pairs (one expert), the gate and up
-   halves of ``w13`` are multiplied in the same K loop and ``silu(gate) * up`` is applied in the
-   epilogue; with fp8 and BLOCK_N == block_k the epilogue also quantises the result per
+   halves of ``w13`` are multiplied in the same K loop; the epilogue adds the expert's bias
+   (GPT-OSS) and applies ``silu(gate) * up`` or the clamped ``swigluoai``; with fp8 and
+   BLOCK_N == block_k the epilogue also quantises the result per
    token-group, so the second GEMM reads fp8 directly.
-4. ``_moe_gemm2_kernel``: the down projection; the epilogue multiplies by the routing weight
+4. ``_moe_gemm2_kernel``: the down projection; the epilogue adds the expert's bias,
+   multiplies by the routing weight
    and writes one row per (token, slot) pair (or straight into the output when top_k == 1).
 5. ``_moe_sum_kernel``: sums the top_k rows of each token (skipping pairs of absent experts).
 """
@@ -282,13 +284,14 @@ def _pid_to_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _moe_gemm1_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, bias_ptr,
     sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, hidden, inter, num_pid_m,
     stride_at, stride_ast, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-    stride_ot, stride_ost,
+    stride_ot, stride_ost, stride_be, alpha, limit,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr, QUANT_OUT: tl.constexpr,
     ROUND: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr, CLAMP: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(inter, BLOCK_N)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
@@ -333,7 +336,18 @@ def _moe_gemm1_kernel(
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
+    if HAS_BIAS:
+        b_ptrs = bias_ptr + expert * stride_be + offs_n
+        acc_g += tl.load(b_ptrs, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + inter, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if SWIGLUOAI:
+        # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+        if CLAMP:
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = acc_g / (1.0 + tl.exp(-alpha * acc_g)) * (acc_u + 1.0)
+    else:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
     if QUANT_OUT:
         # this tile is exactly one activation group of the second GEMM: quantise it here
@@ -347,12 +361,13 @@ def _moe_gemm1_kernel(
 
 @triton.jit
 def _moe_gemm2_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr, bias_ptr,
     sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, inter, hidden, num_pid_m,
     stride_at, stride_ast, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_ot,
+    stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
@@ -388,6 +403,8 @@ def _moe_gemm2_kernel(
             acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     acc = acc * tl.load(topk_w_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
@@ -483,6 +500,11 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   w2_scale: Optional[torch.Tensor] = None,
                   block_shape: Optional[list] = None,
                   out: Optional[torch.Tensor] = None,
+                  w13_bias: Optional[torch.Tensor] = None,
+                  w2_bias: Optional[torch.Tensor] = None,
+                  activation: str = "silu",
+                  swiglu_alpha: float = 1.702,
+                  swiglu_limit: Optional[float] = 7.0,
                   config: Optional[MoeConfig] = None) -> torch.Tensor:
     """Triton :func:`atom.ops.moe.fused_moe`; ``config`` overrides the tile choice."""
     num_tokens, hidden = x.shape
@@ -537,14 +559,20 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         inter_buf = torch.empty(max_padded, inter, dtype=x.dtype, device=dev)
         inter_s = inter_buf
     grid1 = (num_pid_m * triton.cdiv(inter, cfg.block_n1),)
+    swigluoai = activation == "swigluoai"
+    clamp = swigluoai and swiglu_limit is not None
     _moe_gemm1_kernel[grid1](
-        a1, a1_s, w13, w13_s, inter_buf, inter_s, sorted_ids, expert_ids, num_post, num_pairs,
+        a1, a1_s, w13, w13_s, inter_buf, inter_s, w13_bias if w13_bias is not None else x,
+        sorted_ids, expert_ids, num_post, num_pairs,
         hidden, inter, num_pid_m,
         a1.stride(0), a1_s.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1), *ws1,
         inter_buf.stride(0), inter_s.stride(0) if quant_in_gemm1 else 0,
+        w13_bias.stride(0) if w13_bias is not None else 0,
+        float(swiglu_alpha) if swigluoai else 1.0, float(swiglu_limit) if clamp else 0.0,
         TOPK=top_k, BLOCK_M=bm, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         FP8=fp8, SCALE_BN=scale_bn, QUANT_OUT=quant_in_gemm1, ROUND=fp8_round_flag(),
-        UPCAST=upcast, PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast, PREC=prec, HAS_BIAS=w13_bias is not None, SWIGLUOAI=swigluoai, CLAMP=clamp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if fp8 and not quant_in_gemm1:
         inter_buf, inter_s = group_quant_fp8(inter_buf, scale_bk)
@@ -562,12 +590,13 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         tw = tw.float().contiguous()
     grid2 = (num_pid_m * triton.cdiv(hidden, cfg.block_n2),)
     _moe_gemm2_kernel[grid2](
-        inter_buf, inter_s, w2, w2_s, dst, tw, sorted_ids, expert_ids, num_post, num_pairs,
+        inter_buf, inter_s, w2, w2_s, dst, tw, w2_bias if w2_bias is not None else x,
+        sorted_ids, expert_ids, num_post, num_pairs,
         inter, hidden, num_pid_m,
         inter_buf.stride(0), inter_s.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1), *ws2,
-        dst.stride(0),
+        dst.stride(0), w2_bias.stride(0) if w2_bias is not None else 0,
         BLOCK_M=bm, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=fp8,
-        SCALE_BN=scale_bn, UPCAST=upcast, PREC=prec,
+        SCALE_BN=scale_bn, UPCAST=upcast, PREC=prec, HAS_BIAS=w2_bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

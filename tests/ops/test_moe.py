@@ -186,6 +186,78 @@ def test_fused_moe_reference_matches_naive_loop():
     torch.testing.assert_close(ref, naive, atol=1e-5, rtol=1e-5)
 
 
+def gpt_oss_kwargs(args, seed, limit=7.0):
+    """Expert biases and the clamped swigluoai activation for ``args`` from :func:`make_moe`;
+    gate/up are scaled so that a good share of them lies beyond ``limit`` (the clamp matters)."""
+    x, w13, w2, _, _ = args
+    g = torch.Generator().manual_seed(seed)
+    e, two_inter, hidden = w13.shape
+    b13 = (torch.randn(e, two_inter, generator=g) * 0.5).to(x.dtype).to(DEV)
+    b2 = (torch.randn(e, hidden, generator=g) * 0.5).to(x.dtype).to(DEV)
+    return dict(w13_bias=b13, w2_bias=b2, activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=limit)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", MOE_TOLS)
+@pytest.mark.parametrize("tokens,experts,top_k,limit", [(7, 4, 1, 7.0), (13, 6, 2, 1.5), (40, 3, 2, None)])
+def test_fused_moe_gpt_oss_bias_and_swigluoai(dtype, atol, rtol, tokens, experts, top_k, limit):
+    """GPT-OSS experts: biases on both GEMMs and (clamp(up) + 1) * g * sigmoid(1.702 g)."""
+    args, kw = make_moe(tokens, 48, 40, experts, top_k, dtype, seed=tokens + experts)
+    x, w13, w2, w, ids = args
+    args = (x, (w13.float() * 6).to(dtype), w2, w, ids)  # gate/up values of order +-6
+    kw = gpt_oss_kwargs(args, seed=tokens, limit=limit)
+    out, ref = run_moe(args, kw)
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol * max(scale, 1.0), rtol=rtol)
+
+
+def test_fused_moe_gpt_oss_expert_map_and_fp8():
+    """Biases and swigluoai with experts missing (bias of an absent expert never added) and with
+    fp8 block-scaled weights."""
+    args, kw = make_moe(17, 48, 24, 5, 2, torch.bfloat16, seed=5, global_experts=12)
+    expert_map = torch.full((12,), -1, dtype=torch.int32)
+    expert_map[torch.tensor([1, 4, 5, 9, 11])] = torch.arange(5, dtype=torch.int32)
+    args[4][0] = torch.tensor([0, 2], dtype=torch.int32)  # all remote
+    out, ref = run_moe(args, dict(kw, expert_map=expert_map.to(DEV), **gpt_oss_kwargs(args, seed=1, limit=0.5)))
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert out[0].abs().max() == 0
+    args, kw = make_moe(9, 256, 128, 4, 2, torch.bfloat16, seed=9, fp8_block=(128, 128))
+    out, ref = run_moe(args, dict(kw, **gpt_oss_kwargs(args, seed=2, limit=1.0)))
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.03 * scale, rtol=0.05)
+
+
+def test_fused_moe_gpt_oss_reference_matches_hf_formula():
+    """The reference equals GPT-OSS's expert MLP written from HF's definition: interleaved
+    gate/up columns (here de-interleaved into [gate; up] as atom's loader does), biases,
+    clamped SwiGLU, down projection + bias, routing-weighted sum."""
+    torch.manual_seed(0)
+    e, hidden, inter, tokens, top_k, alpha, limit = 4, 16, 8, 6, 2, 1.702, 1.0
+    gate_up = torch.randn(e, hidden, 2 * inter)  # HF layout: x @ gate_up, columns interleaved
+    gate_up_bias, down, down_bias = torch.randn(e, 2 * inter), torch.randn(e, inter, hidden), torch.randn(e, hidden)
+    x = torch.randn(tokens, hidden)
+    w, ids = torch.softmax(torch.randn(tokens, e), -1).topk(top_k, dim=-1)
+    naive = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(top_k):
+            k = int(ids[t, j])
+            h = x[t] @ gate_up[k] + gate_up_bias[k]
+            gate, up = h[::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
+            naive[t] += w[t, j] * (((up + 1) * gate * torch.sigmoid(gate * alpha)) @ down[k] + down_bias[k])
+    w13 = torch.cat([gate_up[:, :, ::2], gate_up[:, :, 1::2]], dim=2).transpose(1, 2).contiguous()
+    b13 = torch.cat([gate_up_bias[:, ::2], gate_up_bias[:, 1::2]], dim=1)
+    ref = fused_moe.run("torch", x, w13, down.transpose(1, 2).contiguous(), w, ids.int(), w13_bias=b13,
+                        w2_bias=down_bias, activation="swigluoai", swiglu_alpha=alpha, swiglu_limit=limit)
+    torch.testing.assert_close(ref, naive, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_moe_rejects_bad_bias_and_activation():
+    args, _ = make_moe(3, 16, 8, 2, 1, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="w13_bias"):
+        fused_moe.run("torch", *args, w13_bias=torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="activation"):
+        fused_moe.run("torch", *args, activation="gelu")
+
+
 def test_fp8_quant_references():
     """Per-token-group quantisation round-trips within half an e4m3 step; block dequant applies
     each block's scale to exactly its tile."""
@@ -219,6 +291,19 @@ def test_gpu_fused_moe_fp8_block(tokens):
     out, ref = run_moe(args, kw)
     scale = ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), atol=0.03 * scale, rtol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 512])
+def test_gpu_fused_moe_gpt_oss_20b(tokens):
+    """GPT-OSS-20B experts (32, top-4, hidden = inter = 2880: no power of two), biases and the
+    clamped swigluoai, gate/up scaled so the clamp engages."""
+    args, _ = make_moe(tokens, 2880, 2880, 32, 4, torch.bfloat16, seed=tokens)
+    x, w13, w2, w, ids = args
+    args = (x, (w13.float() * 6).to(torch.bfloat16), w2, w, ids)
+    out, ref = run_moe(args, gpt_oss_kwargs(args, seed=tokens))
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * scale, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -69,8 +69,12 @@ class VllmAttentionFactory:
         num_kv_heads: int,
         prefix: str,
         sliding_window: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> nn.Module:
         attention_cls = importlib.import_module(compat.attention_layer_module()).Attention
+        # vLLM hands ``sinks`` to the backend's impl (atom's: float32 copy after loading); only
+        # passed when set, so models without sinks build the layer exactly as before.
+        extra = {"sinks": sinks} if sinks is not None else {}
         return attention_cls(
             num_heads,
             head_dim,
@@ -80,6 +84,7 @@ class VllmAttentionFactory:
             quant_config=self.quant_config,
             per_layer_sliding_window=sliding_window,
             prefix=prefix,
+            **extra,
         )
 
 
