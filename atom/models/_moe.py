@@ -111,7 +111,14 @@ class FusedMoE(nn.Module):
         dst.copy_(src)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Softmax top-k routing of ``router_logits``, then the experts."""
         topk_weights, topk_ids = ops.topk_softmax(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(hidden_states, topk_weights, topk_ids)
+
+    def forward_routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts for routes chosen by the caller (``[T, top_k]`` weights and global expert
+        ids; models with their own routing, e.g. DeepSeek's grouped sigmoid top-k)."""
         out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, expert_map=self.expert_map)
         if self.reduce_group is not None:
             out = self.reduce_group.all_reduce(out)
