@@ -28,6 +28,11 @@ from tests.models._harness import (
 )
 
 NUM_LAYERS = 2  # atom.testing.tiny_models.KINDS["deepseek_v3"]
+# Measured atom vs stock vLLM on the tiny checkpoint, 8 prompts (both with vLLM's torch rope, see
+# engine_kwargs): fp32 tokens identical, logprobs equal to 1e-6. bf16 (157 teacher-forced
+# positions): mean |d logprob| 0.005, max 0.19; sampled logprobs while the continuations agree:
+# 0.016; greedy bf16 continuations agree on 66% of tokens before diverging (each engine's bf16
+# vs its own fp32: stock 83%, atom 79%), hence the Qwen3-MoE floors below.
 FP32_LOGPROB_ATOL = 1e-3
 BF16_LOGPROB_ATOL = 0.15
 BF16_PROMPT_MAX_ATOL = 0.5
