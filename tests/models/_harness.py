@@ -37,7 +37,8 @@ def engine_facts(llm: Any) -> dict[str, Any]:
     context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
 
     def facts(model: nn.Module) -> dict[str, Any]:
-        attn = [m for name, m in model.named_modules() if name.endswith("self_attn.attn")]
+        attn_names = [name for name, _ in model.named_modules() if name.endswith("self_attn.attn")]
+        attn = [model.get_submodule(name) for name in attn_names]
         inner = getattr(model, "model", None)
         return {
             "wrapper": f"{type(model).__module__}:{type(model).__qualname__}",
@@ -45,6 +46,11 @@ def engine_facts(llm: Any) -> dict[str, Any]:
             "attention": sorted({f"{type(m).__module__}:{type(m).__qualname__}" for m in attn}),
             "registered": sorted(k for k, v in context.items() if any(v is m for m in attn)),
             "modules": sorted({f"{type(m).__module__}:{type(m).__qualname__}" for m in model.modules()}),
+            # vLLM layers other than the attention layers and their own submodules.
+            "vllm_outside_attention": sorted({
+                f"{type(m).__module__}:{type(m).__qualname__}" for name, m in model.named_modules()
+                if type(m).__module__.startswith("vllm.model_executor.layers")
+                and not any(name == a or name.startswith(a + ".") for a in attn_names)}),
         }
 
     return llm.apply_model(facts)[0]
@@ -94,6 +100,39 @@ class CausalSelfAttention(nn.Module):
         return o.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
 
 
+class LatentSelfAttention(nn.Module):
+    """The multi-head latent attention an ``MLAAttentionFactory`` returns, for one unpadded
+    sequence (no cache): keys and values expanded from the latent with the model's kv_b_proj."""
+
+    def __init__(self, *, num_heads: int, scale: float, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, q_lora_rank: Optional[int], kv_lora_rank: int, kv_b_proj: nn.Module,
+                 prefix: str) -> None:
+        super().__init__()
+        self.num_heads, self.scale = num_heads, scale
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self._kv_b_proj = [kv_b_proj]  # the model's module, not a submodule of this one
+
+    def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        t, h = q.shape[0], self.num_heads
+        kv = self._kv_b_proj[0](kv_c_normed).view(t, h, self.nope + self.v_head_dim)
+        k_nope, v = kv.split([self.nope, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(t, h, self.rope)], dim=-1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           is_causal=True, scale=self.scale)
+        return o.transpose(0, 1).reshape(t, h * self.v_head_dim)
+
+
+class ReferenceAttention:
+    """An attention factory for a model alone: :class:`CausalSelfAttention`, and
+    :class:`LatentSelfAttention` as its ``mla`` variant."""
+
+    def __call__(self, **kwargs: Any) -> nn.Module:
+        return CausalSelfAttention(**kwargs)
+
+    def mla(self, **kwargs: Any) -> nn.Module:
+        return LatentSelfAttention(**kwargs)
+
+
 def widen_init(model: nn.Module) -> nn.Module:
     """Re-draw an HF model's weights wider than HF's init, so logits (and expert routes) are
     well separated and comparisons test the math rather than near-ties."""
@@ -105,14 +144,14 @@ def widen_init(model: nn.Module) -> nn.Module:
 
 def build_atom_model(model_cls: type, hf_config: Any, tensors: Iterable[tuple[str, torch.Tensor]],
                      parallel: Any = None, **config: Any) -> nn.Module:
-    """An atom model alone (no host): :class:`CausalSelfAttention`, fp32, loaded from HF-named
+    """An atom model alone (no host): :class:`ReferenceAttention`, fp32, loaded from HF-named
     ``tensors``; every parameter must be loaded. ``config`` overrides atom Config fields."""
     from atom.config import Config
     from atom.models.interfaces import ModelParallel
 
     cfg = Config(model="tiny", max_num_batched_tokens=256, max_num_seqs=1, max_model_len=256,
                  gpu_memory_utilization=0.0, hf_config=hf_config, dtype=torch.float32, **config)
-    model = model_cls(cfg, make_attention=CausalSelfAttention, parallel=parallel or ModelParallel())
+    model = model_cls(cfg, make_attention=ReferenceAttention(), parallel=parallel or ModelParallel())
     loaded = model.load_weights(tensors)
     assert loaded == {n for n, _ in model.named_parameters()}
     return model.eval()

@@ -22,14 +22,22 @@ from tests.models._harness import engine_facts
 
 
 @pytest.fixture(scope="module")
-def stock_process(checkpoint, prompts, tmp_path_factory):
+def engine_kwargs() -> dict:
+    """Extra vLLM engine arguments for both sides of a module's comparisons (a test module may
+    override this fixture)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def stock_process(checkpoint, prompts, engine_kwargs, tmp_path_factory):
     """Stock vLLM's fp32 and bf16 runs, started in the background (collected by ``stock_runs``)."""
     work = tmp_path_factory.mktemp("stock")
     (work / "prompts.json").write_text(json.dumps(prompts))
     env = {**os.environ, **runner.ENGINE_ENV, "ATOM_DISABLE_VLLM_PLUGIN": "1"}
+    engine = ["--engine", json.dumps(engine_kwargs)] if engine_kwargs else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.models._engine_runner", str(checkpoint), str(work / "prompts.json"),
-         str(work / "out.json"), "float32", "bfloat16"],
+         str(work / "out.json"), *engine, "float32", "bfloat16"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     yield proc, work / "out.json"
@@ -48,7 +56,7 @@ def stock_runs(stock_process) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def atom_runs(checkpoint, prompts, stock_process) -> dict[str, dict]:
+def atom_runs(checkpoint, prompts, engine_kwargs, stock_process) -> dict[str, dict]:
     """atom's fp32 and bf16 runs, one engine each, built and torn down in turn."""
     if os.environ.get("ATOM_DISABLE_VLLM_PLUGIN", "0") not in ("", "0"):
         pytest.skip("ATOM_DISABLE_VLLM_PLUGIN is set for this test process")
@@ -56,8 +64,9 @@ def atom_runs(checkpoint, prompts, stock_process) -> dict[str, dict]:
         for key, value in runner.ENGINE_ENV.items():
             mp.setenv(key, value)
         return {
-            "float32": runner.run_engine(str(checkpoint), prompts, "float32", inspect=engine_facts),
-            "bfloat16": runner.run_engine(str(checkpoint), prompts, "bfloat16"),
+            "float32": runner.run_engine(str(checkpoint), prompts, "float32", inspect=engine_facts,
+                                         **engine_kwargs),
+            "bfloat16": runner.run_engine(str(checkpoint), prompts, "bfloat16", **engine_kwargs),
         }
 
 

@@ -35,6 +35,18 @@ def test_attention_layer_module():
     assert hasattr(module, "Attention")
 
 
+def test_mla_attention_layer_module():
+    """vLLM's MLA layer, with the constructor arguments and forward atom's MLA factory uses."""
+    import inspect
+
+    layer = importlib.import_module(compat.mla_attention_layer_module()).MLAAttention
+    params = inspect.signature(layer.__init__).parameters
+    assert {"num_heads", "scale", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank",
+            "kv_lora_rank", "kv_b_proj", "cache_config", "quant_config", "prefix"} <= set(params)
+    assert list(inspect.signature(layer.forward).parameters)[:5] == ["self", "q", "kv_c_normed", "k_pe",
+                                                                     "output_shape"]
+
+
 def test_selector_config_fields():
     cls = compat.selector_config_cls()
     assert {"head_size", "dtype", "kv_cache_dtype", "block_size", "use_mla"} <= set(cls._fields)

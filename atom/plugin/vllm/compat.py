@@ -14,6 +14,8 @@ Facts (``../shared/reference/vllm_interfaces.md``):
 * ``FusedMoE`` is a factory function in 0.26 and a ``FusedMoEFactory`` from 0.27.
 * The deferred post-load gate is an isinstance check in 0.26 and ``is_deferred_attention_layer``
   by 0.30.
+* vLLM's ``MLAAttention`` layer lives in ``vllm.model_executor.layers.attention`` in 0.32 and
+  in ``vllm.attention.layer`` in older releases (``mla_attention_layer_module``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,20 @@ def attention_layer_module() -> str:
         if hasattr(module, "Attention"):
             return name
     raise ImportError("vLLM's Attention layer was not found in any known module")
+
+
+def mla_attention_layer_module() -> str:
+    """Module defining vLLM's ``MLAAttention`` layer (the latent-attention counterpart of
+    ``Attention``; taken out of ``vllm.attention.layer`` together with it)."""
+    for name in ("vllm.model_executor.layers.attention.mla_attention",
+                 "vllm.model_executor.layers.attention", "vllm.attention.layer"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "MLAAttention"):
+            return name
+    raise ImportError("vLLM's MLAAttention layer was not found in any known module")
 
 
 def selector_config_cls() -> type:

@@ -22,6 +22,7 @@ Only this module (and the rest of ``atom.plugin``) knows vLLM; atom's models nev
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ ATOM_MODEL_ATTR = "model"
 
 @dataclass(frozen=True)
 class VllmAttentionFactory:
-    """Builds vLLM's ``Attention`` layer for an atom model (see ``atom.models.interfaces``).
+    """Builds vLLM's ``Attention`` layer for an atom model (see ``atom.models.interfaces``), and
+    with :meth:`mla` vLLM's ``MLAAttention`` for multi-head latent attention models.
 
     vLLM's layer registers itself under ``prefix`` in the static forward context, where vLLM's
     KV-cache manager binds its cache and its attention backend (vLLM's, or atom's through the
@@ -86,6 +88,83 @@ class VllmAttentionFactory:
             prefix=prefix,
             **extra,
         )
+
+    def mla(
+        self,
+        *,
+        num_heads: int,
+        scale: float,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: Optional[int],
+        kv_lora_rank: int,
+        kv_b_proj: nn.Module,
+        prefix: str,
+    ) -> nn.Module:
+        """vLLM's ``MLAAttention`` (``atom.models.interfaces.MLAAttentionFactory``): vLLM's MLA
+        backend (CPU_MLA, FlashMLA, Triton MLA, ... or atom's through the platform) owns the
+        latent cache; after loading, the layer absorbs atom's ``kv_b_proj`` weight (read through
+        :class:`_VllmLinearView`) into its query/output projections."""
+        return _mla_layer_cls()(
+            num_heads=num_heads,
+            scale=scale,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            q_lora_rank=q_lora_rank,
+            kv_lora_rank=kv_lora_rank,
+            kv_b_proj=_VllmLinearView(kv_b_proj),
+            cache_config=self.cache_config,
+            quant_config=self.quant_config,
+            prefix=prefix,
+        )
+
+
+class _VllmLinearView:
+    """What vLLM's MLA layer and backends read of ``kv_b_proj`` (a vLLM ``LinearBase``:
+    ``weight``, ``quant_method``, ``params_dtype``, ``parameters()``, and calls returning
+    ``(output, bias)``), over atom's linear layer. A plain object, not a submodule, so the
+    weight stays atom's parameter (loaded by atom's model, named once)."""
+
+    quant_method = None  # unquantized: vLLM reads ``weight`` as is
+
+    def __init__(self, linear: nn.Module) -> None:
+        self.linear = linear
+        self.weight = linear.weight  # vLLM's CPU AMX path rebinds this view's weight only
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return self.linear.weight.dtype
+
+    def parameters(self) -> Iterable[torch.Tensor]:
+        return iter([self.linear.weight])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.linear(x), None
+
+
+def _mla_layer_cls() -> type:
+    return _mla_layer_cls_in(compat.mla_attention_layer_module())
+
+
+@functools.cache
+def _mla_layer_cls_in(module: str) -> type:
+    """vLLM's ``MLAAttention`` (from ``module``) with ``forward(q, kv_c_normed, k_pe)`` as atom's
+    models call it: the output shape vLLM's layer needs is derived from ``q`` (vLLM's own models
+    pass it). A subclass, so every isinstance check of vLLM's still sees its layer; one class per
+    process (cached), vLLM's class itself untouched."""
+    base = importlib.import_module(module).MLAAttention
+
+    def forward(self: Any, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                output_shape: Any = None, **kwargs: Any) -> torch.Tensor:
+        if output_shape is None:
+            output_shape = (q.shape[0], self.num_heads * self.v_head_dim)
+        return base.forward(self, q, kv_c_normed, k_pe, output_shape=output_shape, **kwargs)
+
+    return type("AtomMLAAttention", (base,), {
+        "forward": forward, "__module__": __name__, "__qualname__": "AtomMLAAttention",
+        "__doc__": "vLLM's MLAAttention, called with atom's MLA arguments (forward(q, kv_c_normed, k_pe))."})
 
 
     def fuse_qk_norm_rope(self, layer: nn.Module, q_norm: nn.Module, k_norm: nn.Module,
