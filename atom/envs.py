@@ -151,6 +151,13 @@ VARIABLES: dict[str, EnvVar] = {
             "or per op as op=backend pairs.",
             _parse_ops_backend, "auto, aiter, triton, torch, or op=backend,...",
         ),
+        EnvVar(
+            "ATOM_DISABLE_TORCH_COMPILE", "bool", "0",
+            "Run atom's models under vLLM without torch.compile (CUDA graphs only), as vLLM runs "
+            "a model that lacks its support_torch_compile decorator; for A/B measurements and as "
+            "an escape hatch if Dynamo cannot trace a model.",
+            _parse_bool, _BOOL,
+        ),
     )
 }
 

@@ -14,6 +14,13 @@
 #            (token agreement, logprob diff, decode tok/s, batch-1 ms/token) -> $OUT/attn_e2e_*.json
 #            (ATTN_MODES=PIECEWISE / =FULL_AND_PIECEWISE splits it over two calls if 10 min is tight;
 #            the checkpoint is built once under /tmp/models)
+#   e2e2     bench/e2e.py (realistic dims, random weights; stock and atom engines in one call)
+#            -> $OUT/e2e2/e2e.json, e2e.txt (markdown table at the end), work/ (per-side logs).
+#            Cells from E2E_ARGS (default: --models dense --lengths 128/128 --concurrency 1,32,256);
+#            E2E_BUDGET seconds (default 520) stops starting new cells. Checkpoints are cached in
+#            /tmp/atom-e2e-models on the machine (first build: ~0.5-2 min per model).
+#   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
+#            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 # Results land under $OUT, which the device tool brings back.
 set -uo pipefail
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
@@ -39,6 +46,15 @@ for step in "$@"; do
               timeout 590 python3 bench/attention_e2e.py --layers "${ATTN_LAYERS:-4}" --modes "$m" --timeout 280 \
                   --model "/tmp/models/attn-qwen3-${ATTN_LAYERS:-4}l" --out "$OUT/attn_e2e_$tag.json" \
                   > "$OUT/attn_e2e_$tag.txt" 2>&1; grep "attn-e2e" "$OUT/attn_e2e_$tag.txt" | tail -12 ;;
+        e2e2) mkdir -p "$OUT/e2e2"
+              timeout 580 python3 bench/e2e.py ${E2E_ARGS:---models dense --lengths 128/128 --concurrency 1,32,256} \
+                  --budget "${E2E_BUDGET:-520}" --out "$OUT/e2e2/e2e.json" --workdir "$OUT/e2e2/work" \
+                  > "$OUT/e2e2/e2e.txt" 2>&1
+              grep -E "^\[e2e|^\||^- |elapsed" "$OUT/e2e2/e2e.txt" | tail -60 ;;
+        profile) mkdir -p "$OUT/profile"
+              timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \
+                  --json "$OUT/profile/profile.json" > "$OUT/profile/profile.txt" 2>&1
+              tail -60 "$OUT/profile/profile.txt" ;;
         *) echo "unknown step $step" ;;
     esac
 done

@@ -33,3 +33,8 @@ from atom.ops.moe import fused_moe, grouped_topk_sigmoid, topk_softmax  # noqa: 
 
 __all__ += ["paged_attention", "mla_decode", "mla_write_latent_cache", "fused_moe",
             "grouped_topk_sigmoid", "topk_softmax"]
+
+# While torch.compile traces, the ops above become torch.ops.atom.* custom-op nodes.
+from atom.ops import _graph  # noqa: E402
+
+_graph.attach(OPS)

@@ -74,6 +74,9 @@ class Op:
     triton_supports: Optional[Supports] = None
     aiter_supports: Optional[Supports] = None
     doc: str = ""
+    #: What a call becomes while ``torch.compile`` traces (Dynamo): a ``torch.ops.atom.*`` custom
+    #: op node (:mod:`atom.ops._graph`), or None to let Dynamo trace the call as it is.
+    graph_form: Optional[Impl] = field(default=None, repr=False)
     _impls: dict = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +145,9 @@ class Op:
             return "error", str(exc)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.graph_form is not None and torch.compiler.is_compiling():
+            # One opaque node in the traced graph; at run time it dispatches as below.
+            return self.graph_form(*args, **kwargs)
         backend, _ = self.backend_for(*args, **kwargs)
         return self._impls[backend](*args, **kwargs)
 

@@ -105,15 +105,16 @@ def serve_command() -> list[str]:
 @contextlib.contextmanager
 def serve(model: str | Path, env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
           startup_timeout: float = 600, log_dir: str | Path | None = None,
-          echo: Any = None) -> Iterator[Server]:
+          echo: Any = None, base_args: tuple[str, ...] = DEFAULT_ARGS) -> Iterator[Server]:
     """Start ``vllm serve``; ``echo(line)`` (if given) receives the server's log lines until it
-    is healthy, so a caller can show start-up progress."""
+    is healthy, so a caller can show start-up progress. ``base_args`` replaces the test defaults
+    (fp32, eager, short context) for benchmarks."""
     port = free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="atom-serve-"))
     log_path = log_dir / f"vllm-serve-{port}.log"
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [*serve_command(), str(model), "--host", "127.0.0.1", "--port", str(port), *DEFAULT_ARGS, *extra_args]
+    cmd = [*serve_command(), str(model), "--host", "127.0.0.1", "--port", str(port), *base_args, *extra_args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -40,6 +40,7 @@ from atom.plugin.config import atom_config_from_vllm, plugin_config_from_vllm
 from atom.plugin.models import BY_ARCH
 from atom.plugin.register import vllm_parallel_groups
 from atom.plugin.vllm import compat
+from atom.plugin.vllm.compile import compiled_model_class
 
 logger = get_logger("atom.plugin")
 
@@ -232,6 +233,7 @@ def model_parallel(groups: Any) -> ModelParallel:
     return dataclasses.replace(tp, ep_rank=int(ep.rank_in_group), ep_size=int(ep.world_size), ep_group=ep)
 
 
+@compiled_model_class  # vLLM torch.compiles forward as for its own models (atom.plugin.vllm.compile)
 class ATOMModelBase(nn.Module):
     """A vLLM model that runs an atom model (chosen by HF architecture from the arch table)."""
 

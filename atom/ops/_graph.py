@@ -1,0 +1,185 @@
+"""atom's model-facing ops as ``torch.library`` custom ops, so ``torch.compile`` can trace atom's models.
+
+vLLM compiles a model's forward with Dynamo (``fullgraph=True``) and Inductor when the model
+class carries its ``support_torch_compile`` decorator (atom's vLLM wrapper does, see
+``atom.plugin.vllm.compile``). Dynamo cannot trace an atom op's own call path: the dispatcher
+reads the environment and picks a backend per call, the Triton implementations launch kernels
+through Python wrappers, the torch reference of ``fused_moe`` loops over the experts present
+(data-dependent), and RoPE writes into slices of its inputs.
+
+So while Dynamo traces (``torch.compiler.is_compiling()``), :meth:`atom.ops.Op.__call__` hands the
+call to the op's *graph form* defined here: one opaque node ``torch.ops.atom.<name>`` in the
+graph, with a fake (meta) implementation that gives Inductor the output shapes. At run time the
+node calls the same dispatcher as eager mode (AITER / Triton / torch by device and dtype), so the
+numbers are the eager op's numbers; Inductor compiles the glue between these nodes (linear
+layers, reshapes, residual adds), and vLLM splits the graph at its attention op for piecewise
+CUDA graphs.
+
+Covered: the calls atom's models make (RMSNorm with and without the fused residual add, fp8
+output included; RoPE in place; SiLU-and-mul; softmax top-k routing; fused MoE). An op without a
+graph form is traced as it is (fine for pure-torch code; otherwise Dynamo reports where it
+stopped). Each node's real implementation returns fresh tensors (never an input or a view of one),
+and declares the inputs it writes (``mutates_args``), as ``torch.library`` requires.
+
+This module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from atom.ops._dispatch import Op
+
+LIB = "atom"
+
+
+def _fresh(t: torch.Tensor, inputs: tuple) -> torch.Tensor:
+    """``t`` itself, or a copy when it shares storage with an input (custom ops may not alias)."""
+    for i in inputs:
+        if isinstance(i, torch.Tensor) and t.untyped_storage().data_ptr() == i.untyped_storage().data_ptr():
+            return t.clone()
+    return t
+
+
+# -- rms_norm ---------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::rms_norm", mutates_args=())
+def _rms_norm_node(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out_dtype: Optional[torch.dtype] = None,
+                   scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    from atom.ops.rmsnorm import RMS_NORM
+
+    return _fresh(RMS_NORM(x, weight, eps, None, out_dtype, scale), (x, weight))
+
+
+@_rms_norm_node.register_fake
+def _(x, weight, eps, out_dtype=None, scale=None):
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+
+
+@torch.library.custom_op(f"{LIB}::fused_add_rms_norm", mutates_args=())
+def _fused_add_rms_norm_node(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             out_dtype: Optional[torch.dtype] = None,
+                             scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from atom.ops.rmsnorm import RMS_NORM
+
+    y, s = RMS_NORM(x, weight, eps, residual, out_dtype, scale)
+    inputs = (x, residual, weight)
+    return _fresh(y, inputs), _fresh(s, inputs)
+
+
+@_fused_add_rms_norm_node.register_fake
+def _(x, residual, weight, eps, out_dtype=None, scale=None):
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.shape)
+
+
+def _rms_norm_graph(x, weight, eps, residual=None, out_dtype=None, scale=None, *, out=None, residual_out=None):
+    if residual is None:
+        y = torch.ops.atom.rms_norm(x, weight, float(eps), out_dtype, scale)
+        return y if out is None else out.copy_(y)
+    y, s = torch.ops.atom.fused_add_rms_norm(x, residual, weight, float(eps), out_dtype, scale)
+    if out is not None:
+        y = out.copy_(y)
+    if residual_out is not None:
+        s = residual_out.copy_(s)
+    return y, s
+
+
+# -- rotary_embedding (in place) --------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::rotary_embedding", mutates_args=("query", "key"))
+def _rotary_node(positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor],
+                 cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int, is_neox: bool) -> None:
+    from atom.ops.rotary import ROTARY_EMBEDDING
+
+    ROTARY_EMBEDDING(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox)
+
+
+@_rotary_node.register_fake
+def _(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox):
+    return None
+
+
+def _rotary_graph(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox):
+    torch.ops.atom.rotary_embedding(positions, query, key, cos_sin_cache, int(head_size), int(rotary_dim),
+                                    bool(is_neox))
+    return query, key
+
+
+# -- silu_and_mul -------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::silu_and_mul", mutates_args=())
+def _silu_node(x: torch.Tensor) -> torch.Tensor:
+    from atom.ops.activation import SILU_AND_MUL
+
+    return _fresh(SILU_AND_MUL(x), (x,))
+
+
+@_silu_node.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _silu_graph(x, *, out=None):
+    y = torch.ops.atom.silu_and_mul(x)
+    return y if out is None else out.copy_(y)
+
+
+# -- MoE routing and experts --------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::topk_softmax", mutates_args=())
+def _topk_softmax_node(router_logits: torch.Tensor, top_k: int,
+                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from atom.ops.moe import topk_softmax
+
+    w, ids = topk_softmax(router_logits, top_k, renormalize)
+    return _fresh(w, (router_logits,)), _fresh(ids, (router_logits,))
+
+
+@_topk_softmax_node.register_fake
+def _(router_logits, top_k, renormalize):
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, top_k), dtype=torch.float32),
+            router_logits.new_empty((t, top_k), dtype=torch.int32))
+
+
+def _topk_softmax_graph(router_logits, top_k, renormalize):
+    return torch.ops.atom.topk_softmax(router_logits, int(top_k), bool(renormalize))
+
+
+@torch.library.custom_op(f"{LIB}::fused_moe", mutates_args=())
+def _fused_moe_node(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None,
+                    w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                    block_shape: Optional[list[int]] = None) -> torch.Tensor:
+    from atom.ops.moe import fused_moe
+
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, w13_scale=w13_scale,
+                    w2_scale=w2_scale, block_shape=block_shape)
+    return _fresh(out, (x, w13, w2, topk_weights, topk_ids))
+
+
+@_fused_moe_node.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, expert_map=None, w13_scale=None, w2_scale=None, block_shape=None):
+    return x.new_empty(x.shape)
+
+
+def _fused_moe_graph(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_scale=None, w2_scale=None,
+                     block_shape=None, out=None):
+    y = torch.ops.atom.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
+                                 None if block_shape is None else [int(b) for b in block_shape])
+    return y if out is None else out.copy_(y)
+
+
+#: op name -> the graph form :meth:`Op.__call__` uses while Dynamo traces.
+GRAPH_FORMS: dict[str, Any] = {
+    "rms_norm": _rms_norm_graph,
+    "rotary_embedding": _rotary_graph,
+    "silu_and_mul": _silu_graph,
+    "topk_softmax": _topk_softmax_graph,
+    "fused_moe": _fused_moe_graph,
+}
+
+
+def attach(ops: dict[str, Op]) -> None:
+    """Give each declared op its graph form (called once by ``atom.ops``)."""
+    for name, form in GRAPH_FORMS.items():
+        ops[name].graph_form = form

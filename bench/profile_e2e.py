@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""Where the time goes: one engine config under the torch profiler, atom vs stock vLLM, by category.
+
+Each side (atom; stock = ``ATOM_DISABLE_VLLM_PLUGIN=1``) runs in its own subprocess with the
+engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profiler sees the model's
+kernels), does one untimed pass of the workload, then profiles one more pass. Kernel (device)
+time is summed per category by kernel-name pattern (first match wins, see CATEGORIES):
+attention (incl. KV-cache writes), MoE (routing + experts), GEMM, norms/rope (+ activation and
+Inductor's fused elementwise/reduction kernels), other. On a CPU build there are no kernels:
+operator self-CPU time is used instead (``--smoke``).
+
+    python bench/profile_e2e.py --model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256
+    python bench/profile_e2e.py --model DIR --eager            # without CUDA graphs / compile
+    python bench/profile_e2e.py --smoke                        # CPU: tiny Qwen3, fp32, eager
+
+Kernels replayed inside CUDA graphs are attributed by CUPTI like any other launch; when a build
+reports graph replays as one opaque entry, use ``--eager`` for the breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: category -> kernel/op name pattern (case-insensitive), tried in this order.
+CATEGORIES = (
+    ("attention", r"flash|fmha|attn|attention|mla|paged|reshape_and_cache|kv_cache|concat_and_cache|"
+                  r"decode_.*kernel|prefill|split_kv|latent|_fwd_kernel|unified_attention|sdpa|softmax_lse|combine"),
+    ("moe", r"moe|expert|topk|top_k|align_block|grouped|permute|route|atom::fused_moe"),
+    ("gemm", r"gemm|matmul|cutlass|cublas|nvjet|sm90_|sm80_|wgmma|splitk|onednn_mm|aten::mm|aten::addmm|aten::bmm|"
+             r"aten::linear|aten::matmul|xmma|ampere_|hopper_"),
+    ("norms/rope", r"rms|norm|rope|rotary|silu|act_and_mul|gelu|rsqrt|mean|triton_poi|triton_red|triton_per|"
+                   r"elementwise|vectorized|quant"),
+)
+_COMPILED = [(name, re.compile(pat, re.I)) for name, pat in CATEGORIES]
+
+
+def category(name: str) -> str:
+    for cat, pat in _COMPILED:
+        if pat.search(name):
+            return cat
+    return "other"
+
+
+def profile_side(args: argparse.Namespace) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.eager, seed=0,
+              max_model_len=args.in_len + args.out_len + 16, max_num_seqs=max(args.conc, 1))
+    rng = random.Random(0)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+
+    def batch():
+        return [{"prompt_token_ids": [rng.randrange(10, vocab - 32) for _ in range(args.in_len)]}
+                for _ in range(args.conc)]
+
+    sp = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
+    llm.generate(batch(), sp, use_tqdm=False)  # warm-up: JIT, autotuning, graph capture
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        llm.generate(batch(), sp, use_tqdm=False)
+        if gpu:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.trace_dir) / f"{args.side}.json"))
+    kernels: dict[str, dict] = {}
+    for evt in prof.key_averages():
+        if gpu:
+            us = getattr(evt, "self_device_time_total", None)
+            if us is None:
+                us = getattr(evt, "self_cuda_time_total", 0)
+            # device kernels only: CPU-side ops have no self device time of their own
+            if not us or getattr(evt, "device_type", None) is not None and "CUDA" not in str(evt.device_type):
+                continue
+        else:
+            us = evt.self_cpu_time_total
+            if not us or evt.key.startswith(("ProfilerStep", "[memory]")) or not (
+                    "::" in evt.key):  # operators only (aten::, atom::, vllm::, _C::)
+                continue
+        kernels[evt.key] = {"us": float(us), "calls": int(evt.count), "category": category(evt.key)}
+    cats: dict[str, float] = {}
+    for k in kernels.values():
+        cats[k["category"]] = cats.get(k["category"], 0.0) + k["us"]
+    return {"side": args.side, "time_kind": "device" if gpu else "self-cpu", "wall_s": round(wall, 3),
+            "categories_us": cats, "kernels": kernels,
+            "out_tokens": args.conc * args.out_len}
+
+
+def report(results: dict[str, dict], top: int) -> str:
+    sides = [s for s in ("stock", "atom") if s in results and "categories_us" in results[s]]
+    lines = []
+    kind = results[sides[0]]["time_kind"] if sides else "?"
+    head = "| category | " + " | ".join(f"{s} ms | {s} %" for s in sides) + (" | atom/stock |" if len(sides) == 2 else " |")
+    lines += [f"Kernel time by category ({kind} time of one profiled pass):", "", head,
+              "|" + "---|" * (1 + 2 * len(sides) + (1 if len(sides) == 2 else 0))]
+    totals = {s: sum(results[s]["categories_us"].values()) for s in sides}
+    for cat in [c for c, _ in CATEGORIES] + ["other", "total"]:
+        row = [cat]
+        vals = {}
+        for s in sides:
+            us = totals[s] if cat == "total" else results[s]["categories_us"].get(cat, 0.0)
+            vals[s] = us
+            row += [f"{us / 1000:.2f}", f"{100 * us / totals[s]:.0f}%" if totals[s] else "-"]
+        if len(sides) == 2:
+            row.append(f"{vals['atom'] / vals['stock']:.2f}x" if vals["stock"] else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    for s in sides:
+        lines += ["", f"{s}: wall {results[s]['wall_s']} s for {results[s]['out_tokens']} output tokens; top kernels:"]
+        ks = sorted(results[s]["kernels"].items(), key=lambda kv: -kv[1]["us"])[:top]
+        for name, k in ks:
+            lines.append(f"  {k['us'] / 1000:9.2f} ms {k['calls']:7d}x  [{k['category']:10s}] {name[:110]}")
+    for s, r in results.items():
+        if "error" in r:
+            lines.append(f"{s}: FAILED {r['error']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--side", default="both", choices=("both", "atom", "stock"))
+    ap.add_argument("--in", dest="in_len", type=int, default=128)
+    ap.add_argument("--out", dest="out_len", type=int, default=128)
+    ap.add_argument("--conc", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny Qwen3 (built if needed), fp32, eager, tiny run")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--trace-dir", default=None, help="also write chrome traces here")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--timeout", type=float, default=500)
+    ap.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        sys.path.insert(0, str(REPO))
+        from atom.testing.tiny_models import build
+
+        args.model = args.model or str(build("qwen3", "/tmp/atom-e2e-models/tiny-qwen3-fp32", dtype="float32"))
+        args.dtype, args.eager = "float32", True
+        args.in_len, args.out_len, args.conc = min(args.in_len, 16), min(args.out_len, 8), min(args.conc, 4)
+    if not args.model:
+        ap.error("--model is required (or --smoke)")
+    if args.child_out:
+        res = profile_side(args)
+        Path(args.child_out).write_text(json.dumps(res))
+        return 0
+    sides = ["stock", "atom"] if args.side == "both" else [args.side]
+    results = {}
+    work = Path(args.json).parent if args.json else Path("/tmp")
+    for side in sides:
+        out = work / f"profile_{side}.json"
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+               "ATOM_DISABLE_VLLM_PLUGIN": "1" if side == "stock" else "0",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+        if args.smoke:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--side", side, "--_child-out", str(out)]
+        if args.smoke and "--model" not in argv:
+            cmd += ["--model", args.model]
+        t0 = time.time()
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+        print(f"[profile] {side}: rc={proc.returncode} in {time.time() - t0:.0f} s", flush=True)
+        if proc.returncode != 0 or not out.exists():
+            results[side] = {"error": f"rc={proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:]}
+            print(results[side]["tail"])
+            continue
+        results[side] = json.loads(out.read_text())
+    print(report(results, args.top), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
