@@ -16,9 +16,8 @@ layers, reshapes, residual adds), and vLLM splits the graph at its attention op 
 CUDA graphs.
 
 Covered: the calls atom's models make (RMSNorm with and without the fused residual add, fp8
-output included; RoPE in place; SiLU-and-mul; softmax and grouped-sigmoid top-k routing; fused MoE with biases and either
-activation). An op without a
-graph form is traced as it is (fine for pure-torch code; otherwise Dynamo reports where it
+output included; RoPE in place; SiLU-and-mul; softmax and grouped-sigmoid top-k routing; fused MoE
+with expert biases and either activation). An op without a graph form is traced as it is (fine for pure-torch code; otherwise Dynamo reports where it
 stopped). Each node's real implementation returns fresh tensors (never an input or a view of one),
 and declares the inputs it writes (``mutates_args``), as ``torch.library`` requires.
 
