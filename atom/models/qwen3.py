@@ -23,6 +23,8 @@ from atom.models._linear import (
     VocabParallelEmbedding,
 )
 from atom.models._loading import StackedParams, load_checkpoint_weights
+from atom.models._moe import FusedMoE
+from atom.models._quant import Fp8Spec, fp8_spec, layer_spec
 from atom.models.interfaces import AttentionFactory, ModelParallel
 
 #: Qwen3's RoPE base when a config omits it (what Qwen3 checkpoints and vLLM assume).
@@ -50,6 +52,8 @@ class Qwen3Attention(nn.Module):
         parallel: ModelParallel,
         dtype: Optional[torch.dtype],
         prefix: str,
+        quant: Optional[Fp8Spec] = None,
+        checkpoint_prefix: str = "",
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
@@ -59,12 +63,14 @@ class Qwen3Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear.qkv(
             hidden, self.head_dim, num_heads, num_kv_heads, parallel,
             bias=bool(getattr(hf_config, "attention_bias", False)), dtype=dtype,
+            quant=layer_spec(quant, checkpoint_prefix, ("q_proj", "k_proj", "v_proj")),
         )
         self.num_heads = self.qkv_proj.num_local_heads
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, parallel, bias=False, dtype=dtype)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, parallel, bias=False, dtype=dtype,
+                                        quant=layer_spec(quant, checkpoint_prefix, ("o_proj",)))
         self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype=dtype)
         self.rotary_emb = rotary_emb  # shared by every layer
@@ -88,15 +94,19 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, hf_config: Any, parallel: ModelParallel, dtype: Optional[torch.dtype]) -> None:
+    def __init__(self, hf_config: Any, parallel: ModelParallel, dtype: Optional[torch.dtype],
+                 quant: Optional[Fp8Spec] = None, checkpoint_prefix: str = "") -> None:
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"atom's Qwen3 MLP implements hidden_act='silu', not {act!r}")
         inter = hf_config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear.merged(hf_config.hidden_size, [inter, inter], parallel, dtype=dtype)
+        self.gate_up_proj = ColumnParallelLinear.merged(
+            hf_config.hidden_size, [inter, inter], parallel, dtype=dtype,
+            quant=layer_spec(quant, checkpoint_prefix, ("gate_proj", "up_proj")))
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, parallel, bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, parallel, bias=False, dtype=dtype,
+                                           quant=layer_spec(quant, checkpoint_prefix, ("down_proj",)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -112,13 +122,17 @@ class Qwen3DecoderLayer(nn.Module):
         dtype: Optional[torch.dtype],
         prefix: str,
         mlp: Optional[nn.Module] = None,
+        quant: Optional[Fp8Spec] = None,
+        checkpoint_prefix: str = "",
     ) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(
-            hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, "self_attn")
+            hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, "self_attn"),
+            quant=quant, checkpoint_prefix=_join(checkpoint_prefix, "self_attn"),
         )
         # Variants (Qwen3-MoE) differ from the dense model only in this block.
-        self.mlp = mlp if mlp is not None else Qwen3MLP(hf_config, parallel, dtype)
+        self.mlp = mlp if mlp is not None else Qwen3MLP(hf_config, parallel, dtype, quant,
+                                                        _join(checkpoint_prefix, "mlp"))
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
 
@@ -146,6 +160,7 @@ class Qwen3Model(nn.Module):
         max_position: int,
         prefix: str,
         make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None,
+        quant: Optional[Fp8Spec] = None,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
@@ -154,7 +169,8 @@ class Qwen3Model(nn.Module):
         rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config, DEFAULT_ROPE_THETA), max_position)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, f"layers.{i}"),
-                              mlp=make_mlp(i) if make_mlp is not None else None)
+                              mlp=make_mlp(i) if make_mlp is not None else None,
+                              quant=quant, checkpoint_prefix=f"model.layers.{i}")
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
@@ -183,6 +199,11 @@ class Qwen3ForCausalLM(nn.Module):
             is named ``{prefix}model.layers.{i}.self_attn.attn``.
         parallel: this rank's tensor-parallel position and group.
         prefix: prepended to the attention layer names (the host's name for this model).
+
+    fp8 checkpoints (``quantization_config`` with ``quant_method: fp8``, see
+    :mod:`atom.models._quant`): the decoder projections load fp8 weights and scales (names in
+    ``ignored_layers`` stay unquantised, as do the embedding, head, norms and routers);
+    :meth:`process_weights_after_loading` repacks them once loading is done.
     """
 
     def __init__(
@@ -196,9 +217,10 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         hf = config.hf_config
         self.hf_config = hf
+        self.quant = fp8_spec(hf)
         max_position = max(int(getattr(hf, "max_position_embeddings", 0) or 0), int(config.max_model_len))
         self.model = Qwen3Model(hf, make_attention, parallel, config.dtype, max_position, _join(prefix, "model"),
-                                make_mlp=lambda i: self.build_mlp(i, config, parallel))
+                                make_mlp=lambda i: self.build_mlp(i, config, parallel), quant=self.quant)
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, parallel, dtype=config.dtype)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -237,3 +259,11 @@ class Qwen3ForCausalLM(nn.Module):
             return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
 
         return load_checkpoint_weights(self, weights, self.stacked_params(), skip)
+
+    def process_weights_after_loading(self) -> None:
+        """After every tensor is loaded: fp8 layers repack for their compute path (dequantise,
+        or keep fp8 for the GPU kernels). The host calls this once (vLLM: its model-level
+        post-load hook through the wrapper); a no-op for an unquantised checkpoint."""
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, FusedMoE)):
+                module.process_weights_after_loading()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from atom.patches import Patch, apply, register
+from atom.plugin.moe import MOE_RECORDS
 
 SUPPORTED = ">=0.26,<0.34"
 
@@ -33,7 +34,7 @@ ATTENTION_PWAL_DEFAULT = register(Patch(
     removal="when atom's model wrapper passes act_dtype itself everywhere",
 ))
 
-VLLM_RECORDS = (ATTENTION_PWAL_DEFAULT,)
+VLLM_RECORDS = (ATTENTION_PWAL_DEFAULT, *MOE_RECORDS)
 
 
 def arm_all() -> dict[str, str]:
