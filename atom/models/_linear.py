@@ -114,7 +114,8 @@ class Fp8Linear(nn.Module):
 
     def _row_scales(self) -> torch.Tensor:
         """Per-tensor: the scale of each output row (its fused matrix's scale)."""
-        return self.weight_scale.float().repeat_interleave(torch.tensor(self._shard_rows()), dim=0)
+        rows = torch.tensor(self._shard_rows(), device=self.weight_scale.device)
+        return self.weight_scale.float().repeat_interleave(rows, dim=0)
 
     def _shard_rows(self) -> list[int]:
         return [self.weight.shape[0]]

@@ -15,7 +15,7 @@ object for it):
   (``qkv_proj``) through the checkpoint names fused into it. Embedding, lm_head, norms and MoE
   routers are never quantised.
 
-How a layer computes (:func:`fp8_runtime`), decided once in ``process_weights_after_loading``:
+How a layer computes, decided once in ``process_weights_after_loading``:
 
 * CUDA, per-tensor: ``torch._scaled_mm`` (fp8 x fp8 GEMM). Fused shards with different scales
   are requantised to their maximum scale (as vLLM does); activations are quantised per tensor,
@@ -130,9 +130,3 @@ def scaled_mm_usable(weight: torch.Tensor) -> bool:
         return False
     n, k = weight.shape
     return n % 16 == 0 and k % 16 == 0
-
-
-def fp8_runtime() -> str:
-    """Short description of the paths above (for logs and docs)."""
-    return ("cuda: torch._scaled_mm per-tensor, fused_moe fp8 block-scaled; "
-            "otherwise weight-only dequantisation at load")

@@ -153,8 +153,7 @@ def test_loaded_layers_are_fp8_except_ignored_and_dequantized_after_processing(f
     model = build_atom_model(_model_class(kind), _hf_config(path), load_file(str(path / "model.safetensors")).items())
     ignored = json.loads((path / "config.json").read_text())["quantization_config"]["ignored_layers"][0]
     fp8 = {n.removesuffix(".weight") for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
-    atom_ignored = ignored.replace("mlp.down_proj", "mlp.down_proj")
-    assert atom_ignored not in fp8 and "model.layers.0.self_attn.qkv_proj" in fp8
+    assert ignored not in fp8 and "model.layers.0.self_attn.qkv_proj" in fp8
     assert not any(n.startswith(("model.embed_tokens", "lm_head")) or n.endswith(".gate") for n in fp8)
     model.process_weights_after_loading()
     # CPU: weight-only, every weight in the activation dtype, no scale left.
@@ -340,35 +339,22 @@ def test_per_tensor_moe_loads_and_dequantizes(static):
 def test_gpu_fp8_paths_match_dequantized_reference(fp8_checkpoint, kind):
     """CUDA: per-tensor layers keep fp8 weights for torch._scaled_mm (activations quantised per
     tensor), block-scaled experts run atom.ops.fused_moe in fp8; block-scaled dense layers are
-    dequantised at load. Logits within fp8 activation-quantisation error of the weight-only
+    dequantised at load. Logits within fp8 activation-quantisation error of the CPU weight-only
     reference, and most greedy argmaxes equal."""
     path = fp8_checkpoint(kind)
-    ids = torch.tensor(mixed_prompts()[-1], device="cuda")
-    cfg = _hf_config(path)
-    tensors = {k: v.cuda() for k, v in load_file(str(path / "model.safetensors")).items()}
+    ids = torch.tensor(mixed_prompts()[-1])
+    reference = full_logits(_atom_model(path), ids)
     with torch.device("cuda"):
-        model = build_atom_model(_model_class(kind), cfg, tensors.items())
-        ref = build_atom_model(_model_class(kind), cfg, tensors.items())
-    model.to(torch.bfloat16), ref.to(torch.bfloat16)
-    model.process_weights_after_loading()
-    if kind == "qwen3_fp8":
-        assert model.model.layers[0].self_attn.qkv_proj.fp8_gemm
-    if "moe" in kind:
-        assert model.model.layers[0].mlp.experts.block_shape == (128, 128)
-    # The reference: the same weights dequantised, as on CPU.
-    for m in ref.modules():
-        if hasattr(m, "process_weights_after_loading") and m is not ref:
-            for p in ("weight", "w13", "w2"):
-                t = getattr(m, p, None)
-                if t is not None:
-                    t.data = t.data.cpu()
-            for n, prm in list(m.named_parameters(recurse=False)):
-                prm.data = prm.data.cpu()
-            m.process_weights_after_loading()
-            m.to("cuda")
-    a, b = full_logits(model, ids).float(), full_logits(ref, ids).float()
-    assert (a - b).abs().max() < 0.5
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+        model = _atom_model(path)
+        if kind == "qwen3_fp8":
+            assert model.model.layers[0].self_attn.qkv_proj.fp8_gemm
+            assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        if "moe" in kind:
+            assert model.model.layers[0].mlp.experts.block_shape == (128, 128)
+            assert model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
+        logits = full_logits(model, ids.cuda()).cpu()
+    assert (logits - reference).abs().max() < 1.0
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
 
 
 # -- real vLLM engines -----------------------------------------------------------------------------
