@@ -134,6 +134,8 @@ class Fp8Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not self.fp8_gemm:
+            if self.weight.dtype == FP8_DTYPE:
+                raise RuntimeError("fp8 layer used before process_weights_after_loading() repacked it")
             return F.linear(x, self.weight, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])

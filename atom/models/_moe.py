@@ -210,6 +210,8 @@ class FusedMoE(nn.Module):
         self.block_shape = tuple(block)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.block_shape is None and self.w13.dtype == FP8_DTYPE:
+            raise RuntimeError("fp8 experts used before process_weights_after_loading() repacked them")
         topk_weights, topk_ids = ops.topk_softmax(router_logits, self.top_k, self.renormalize)
         fp8 = {} if self.block_shape is None else dict(
             w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv, block_shape=self.block_shape)

@@ -1,5 +1,12 @@
 """Plugin-mode behaviour of atom's FusedMoE (:class:`atom.models._moe.FusedMoE`) under vLLM,
-injected by the :data:`FUSED_MOE_PLUGIN_MODE` record (no subclass, no global class renaming).
+injected by the :data:`FUSED_MOE_PLUGIN_MODE` record (no subclass, no global class renaming);
+the same member goes into atom's fp8-capable linear layers (:data:`LINEAR_PLUGIN_MODE`,
+:class:`atom.models._linear.Fp8Linear`).
+
+Why through vLLM's per-layer loop and not only the model-level hook: vLLM calls a model's own
+``process_weights_after_loading()`` only from 0.32 on (0.26 - 0.31 have just the per-layer
+``quant_method`` loop and the attention loop), so on the H100's vLLM 0.26 the injected
+``quant_method`` is what repacks atom's fp8 layers at all.
 
 What vLLM 0.32 does to MoE modules, and how atom's layer relates to each:
 
@@ -45,14 +52,15 @@ def post_load_method_class() -> type:
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
         class AtomMoEPostLoad(QuantizeMethodBase):
-            """What vLLM's loader finds as ``quant_method`` on an atom FusedMoE: weights are
-            created and applied by atom's layer itself; only the post-load hook does work."""
+            """What vLLM's loader finds as ``quant_method`` on an atom FusedMoE / Fp8Linear:
+            weights are created and applied by atom's layer itself; only the post-load hook
+            does work."""
 
             def create_weights(self, layer: Any, *weight_args: Any, **extra_weight_attrs: Any) -> None:
-                raise RuntimeError("atom's FusedMoE creates its own weights")
+                raise RuntimeError("atom's layers create their own weights")
 
             def apply(self, layer: Any, *args: Any, **kwargs: Any) -> Any:
-                raise RuntimeError("atom's FusedMoE runs its own forward")
+                raise RuntimeError("atom's layers run their own forward")
 
             def process_weights_after_loading(self, layer: Any) -> None:
                 layer.process_weights_after_loading()
@@ -63,12 +71,13 @@ def post_load_method_class() -> type:
     return _METHOD_CLASS[0]
 
 
-class PluginModeFusedMoE:
-    """The members injected into atom's FusedMoE (source of :data:`FUSED_MOE_PLUGIN_MODE`)."""
+class PluginModePostLoad:
+    """The member injected into atom's FusedMoE and Fp8Linear (source of both records)."""
 
     @property
     def quant_method(self) -> Any:
-        """Stands in for ``RoutedExperts.quant_method`` (what vLLM's loader calls after loading)."""
+        """Stands in for ``RoutedExperts.quant_method`` / ``LinearBase.quant_method`` (what
+        vLLM's loader calls after loading)."""
         method = self.__dict__.get("_vllm_quant_method")
         if method is None:
             method = self.__dict__["_vllm_quant_method"] = post_load_method_class()()
@@ -79,7 +88,7 @@ FUSED_MOE_PLUGIN_MODE = register(Injection(
     id="vllm.moe.atom_fused_moe_post_load",
     target="atom.models._moe:FusedMoE",
     members=("quant_method",),
-    source="atom.plugin.moe:PluginModeFusedMoE",
+    source="atom.plugin.moe:PluginModePostLoad",
     base=VLLM_MOE_BASE,
     vllm=">=0.26,<0.34",
     reason="vLLM's loader runs per-layer post-load hooks (under its device handling) through "
@@ -89,4 +98,18 @@ FUSED_MOE_PLUGIN_MODE = register(Injection(
     removal="when atom's layers are repacked by the model-level hook only",
 ))
 
-MOE_RECORDS = (FUSED_MOE_PLUGIN_MODE,)
+LINEAR_PLUGIN_MODE = register(Injection(
+    id="vllm.linear.atom_fp8_linear_post_load",
+    target="atom.models._linear:Fp8Linear",
+    members=("quant_method",),
+    source="atom.plugin.moe:PluginModePostLoad",
+    base="vllm.model_executor.layers.linear:LinearBase",
+    vllm=">=0.26,<0.34",
+    reason="vLLM < 0.32 never calls a model-level post-load hook; its per-layer quant_method loop "
+           "is what repacks atom's fp8 column/row-parallel layers",
+    upstream="vllm model_loader.utils.process_weights_after_loading -> "
+             "QuantizeMethodBase.process_weights_after_loading(self, layer)",
+    removal="when the supported vLLM range starts at a release with the model-level hook (0.32)",
+))
+
+MOE_RECORDS = (FUSED_MOE_PLUGIN_MODE, LINEAR_PLUGIN_MODE)

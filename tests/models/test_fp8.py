@@ -424,14 +424,14 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8
     prompts = mixed_prompts()
     stock = _stock_run(write_dequantized(path, tmp_path / "deq", "bfloat16"), prompts, tmp_path)
 
-    calls: list[str] = []
+    calls: list[tuple[str, str]] = []  # (layer class, the calling frames)
     method_cls = plugin_moe.post_load_method_class()
     original = method_cls.process_weights_after_loading
 
     def recording(self, layer):
         import traceback
 
-        calls.append("".join(traceback.format_stack(limit=4)))
+        calls.append((type(layer).__name__, "".join(traceback.format_stack(limit=4))))
         return original(self, layer)
 
     monkeypatch.setattr(method_cls, "process_weights_after_loading", recording)
@@ -441,10 +441,16 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8
     sampled_atol, prompt_max, prompt_mean, min_agreeing = ENGINE_BOUNDS[kind]
     assert_close_greedy_run(ours, stock, sampled_atol, prompt_atol=prompt_max, prompt_mean_atol=prompt_mean,
                             min_agreeing=min_agreeing)
+    # vLLM's per-layer post-load loop called every atom fp8-capable layer once: per decoder
+    # layer qkv_proj + o_proj + (gate_up_proj + down_proj | the experts).
+    assert all("model_loader/utils.py" in stack for _, stack in calls), calls
+    counts = {name: sum(1 for n, _ in calls if n == name) for name, _ in calls}
     if "moe" in kind:
+        assert counts == {"ColumnParallelLinear": 2, "RowParallelLinear": 2, "FusedMoE": 2}, counts
         facts = ours["facts"]
         assert facts["num_fused_moe"] == 2
         assert facts["post_load_method"] == ["AtomMoEPostLoad"]
         assert facts["w13_dtypes"] == ["torch.bfloat16"]  # dequantised by the post-load hook (CPU)
         assert facts["vllm_routed_experts"] == 0 and facts["in_forward_context"] == 0
-        assert len(calls) == 2 and all("model_loader/utils.py" in c for c in calls), calls
+    else:
+        assert counts == {"ColumnParallelLinear": 4, "RowParallelLinear": 4}, counts

@@ -42,12 +42,12 @@ def applied():
 
 def test_record_lists_exactly_the_injected_members(applied):
     from atom.models._moe import FusedMoE
-    from atom.plugin.moe import PluginModeFusedMoE
+    from atom.plugin.moe import PluginModePostLoad
 
     assert applied.members == ("quant_method",)
     assert applied.target == "atom.models._moe:FusedMoE"
-    assert FusedMoE.__dict__["quant_method"] is PluginModeFusedMoE.__dict__["quant_method"]
-    own = {k for k in vars(PluginModeFusedMoE) if not k.startswith("__")}
+    assert FusedMoE.__dict__["quant_method"] is PluginModePostLoad.__dict__["quant_method"]
+    own = {k for k in vars(PluginModePostLoad) if not k.startswith("__")}
     assert own == set(applied.members)
 
 
@@ -99,11 +99,43 @@ def test_revert_restores_the_class():
     assert not hasattr(_fp8_layer(), "quant_method")
 
 
-def test_register_model_arms_it(monkeypatch):
-    from atom.plugin.moe import FUSED_MOE_PLUGIN_MODE
+def test_register_model_arms_them(monkeypatch):
+    from atom.plugin.moe import FUSED_MOE_PLUGIN_MODE, LINEAR_PLUGIN_MODE
     from atom.plugin.vllm import patches
 
-    assert FUSED_MOE_PLUGIN_MODE in patches.VLLM_RECORDS
     monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN", raising=False)
     states = patches.arm_all()
-    assert states[FUSED_MOE_PLUGIN_MODE.id].startswith(("applied", "armed")), states
+    for record in (FUSED_MOE_PLUGIN_MODE, LINEAR_PLUGIN_MODE):
+        assert record in patches.VLLM_RECORDS
+        assert states[record.id].startswith(("applied", "armed")), states
+
+
+def test_vllm_loader_post_processing_runs_fp8_linear_repack():
+    """The linear record: vLLM's per-layer loop dequantises an fp8 column-parallel layer (the
+    only post-load call vLLM < 0.32 makes), and revert removes the member again."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from atom.models._linear import ColumnParallelLinear, Fp8Linear
+    from atom.models._quant import Fp8Spec
+    from atom.models.interfaces import ModelParallel
+    from atom.patches import apply, revert
+    from atom.plugin.moe import LINEAR_PLUGIN_MODE
+    from atom.testing.tiny_models import quantize_fp8
+
+    apply(LINEAR_PLUGIN_MODE)
+    try:
+        layer = ColumnParallelLinear.merged(32, [32, 32], ModelParallel(), dtype=torch.float32,
+                                            quant=Fp8Spec(block=(16, 16)))
+        for shard in (0, 1):
+            w, s = quantize_fp8(torch.randn(32, 32), [16, 16])
+            layer.load_weight("weight", w, shard)
+            layer.load_weight("weight_scale_inv", s, shard)
+        model = torch.nn.Module()
+        model.proj = layer
+        process_weights_after_loading(model, SimpleNamespace(dtype=torch.float32, quantization=None,
+                                                             word_embeddings_untied_by_checkpoint=False),
+                                      torch.device("cpu"))
+        assert layer.weight.dtype == torch.float32 and not hasattr(layer, "weight_scale_inv")
+    finally:
+        revert(LINEAR_PLUGIN_MODE)
+    assert "quant_method" not in Fp8Linear.__dict__
