@@ -4,9 +4,10 @@ the same member goes into atom's fp8-capable linear layers (:data:`LINEAR_PLUGIN
 :class:`atom.models._linear.Fp8Linear`).
 
 Why through vLLM's per-layer loop and not only the model-level hook: vLLM calls a model's own
-``process_weights_after_loading()`` only from 0.32 on (0.26 - 0.31 have just the per-layer
-``quant_method`` loop and the attention loop), so on the H100's vLLM 0.26 the injected
-``quant_method`` is what repacks atom's fp8 layers at all.
+``process_weights_after_loading()`` only in recent releases (0.32 does; 0.26 has just the
+per-layer ``quant_method`` loop and the attention loop, see shared/reference/vllm_interfaces.md
+3.6), so on the H100's vLLM 0.26 the injected ``quant_method`` is what repacks atom's fp8 layers
+at all.
 
 What vLLM 0.32 does to MoE modules, and how atom's layer relates to each:
 
@@ -105,11 +106,11 @@ LINEAR_PLUGIN_MODE = register(Injection(
     source="atom.plugin.moe:PluginModePostLoad",
     base="vllm.model_executor.layers.linear:LinearBase",
     vllm=">=0.26,<0.34",
-    reason="vLLM < 0.32 never calls a model-level post-load hook; its per-layer quant_method loop "
+    reason="vLLM 0.26 calls no model-level post-load hook (0.32 does); its per-layer quant_method loop "
            "is what repacks atom's fp8 column/row-parallel layers",
     upstream="vllm model_loader.utils.process_weights_after_loading -> "
              "QuantizeMethodBase.process_weights_after_loading(self, layer)",
-    removal="when the supported vLLM range starts at a release with the model-level hook (0.32)",
+    removal="when every supported vLLM release calls the model-level hook",
 ))
 
 MOE_RECORDS = (FUSED_MOE_PLUGIN_MODE, LINEAR_PLUGIN_MODE)

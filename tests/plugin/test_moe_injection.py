@@ -112,7 +112,7 @@ def test_register_model_arms_them(monkeypatch):
 
 def test_vllm_loader_post_processing_runs_fp8_linear_repack():
     """The linear record: vLLM's per-layer loop dequantises an fp8 column-parallel layer (the
-    only post-load call vLLM < 0.32 makes), and revert removes the member again."""
+    only post-load call vLLM 0.26 makes), and revert removes the member again."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     from atom.models._linear import ColumnParallelLinear, Fp8Linear

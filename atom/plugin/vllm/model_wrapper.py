@@ -11,7 +11,7 @@ vLLM builds, loads and runs an atom model through these methods (vLLM 0.26 - 0.3
 * ``load_weights(weights)`` -- called by vLLM's loader with vLLM's weight iterator; atom never
   reads checkpoint files itself. Returns the names loaded (vLLM checks that none is missing).
   fp8 checkpoints (vLLM's ``fp8`` quantization) load fp8 weights and scales into atom's layers.
-* ``process_weights_after_loading()`` -- vLLM's model-level post-load hook (vLLM >= 0.32): atom's
+* ``process_weights_after_loading()`` -- vLLM's model-level post-load hook (vLLM 0.32 calls it, 0.26 does not): atom's
   fp8 layers repack (dequantise on CPU, keep fp8 for the GPU kernels). vLLM's per-layer loop has
   already done so through the ``quant_method`` injected by ``atom.plugin.moe`` (the only
   post-load call older vLLM makes); the layers' repack is idempotent.
