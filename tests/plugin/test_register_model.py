@@ -51,9 +51,16 @@ def test_register_model_arms_vllm_patches():
         import vllm.model_executor.layers.attention.attention as A
         print("STATES", [str(status(r)) for r in VLLM_RECORDS])
         print("WRAPPED", hasattr(A.Attention.__dict__["process_weights_after_loading"], "__wrapped__"))
+        import atom.models.qwen3_moe  # what the model wrapper imports: the armed injections land
+        print("LANDED", [str(status(r)) for r in VLLM_RECORDS])
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "STATES ['applied']" in proc.stdout and "WRAPPED True" in proc.stdout
+    assert "WRAPPED True" in proc.stdout
+    # The attention patch lands at once (vLLM imported); the FusedMoE / Fp8Linear injections
+    # wait for atom's model modules, which only the model wrapper imports.
+    assert ("STATES ['applied', 'armed: waiting for import of atom.models._moe', "
+            "'armed: waiting for import of atom.models._linear']") in proc.stdout
+    assert "LANDED ['applied', 'applied', 'applied']" in proc.stdout
 
 
 def test_disabled_patch_is_not_applied():
