@@ -69,10 +69,13 @@ def render_supported_models() -> str:
         "`register_model` overrides these architectures in vLLM's `ModelRegistry` (only those "
         "the installed vLLM knows); every other architecture runs vLLM's own implementation, "
         "still on atom's platform. `ATOM_DISABLE_VLLM_PLUGIN=1` restores vLLM's classes.\n\n",
-        "| HF architecture | vLLM class (atom wrapper) | atom model | verified |\n|---|---|---|---|\n",
+        "| HF architecture | vLLM class (atom wrapper) | atom model | quantized checkpoints | verified |\n"
+        "|---|---|---|---|---|\n",
     ]
     for e in MODEL_TABLE:
-        lines.append(f"| `{e.arch}` | `{WRAPPER_MODULE}:{e.wrapper}` | `{e.model}` | {_cell(e.verified or 'not yet')} |\n")
+        quant = ", ".join(e.quantization) or "none (refused)"
+        lines.append(f"| `{e.arch}` | `{WRAPPER_MODULE}:{e.wrapper}` | `{e.model}` | {quant} | "
+                     f"{_cell(e.verified or 'not yet')} |\n")
     return "".join(lines)
 
 

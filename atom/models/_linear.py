@@ -11,6 +11,12 @@ read of the files:
   all-reduce.
 * :class:`VocabParallelEmbedding` / :class:`ParallelLMHead`: vocabulary rows split in contiguous
   blocks (each padded to a multiple of 64 rows, padding at the tail of the vocabulary only).
+
+The column- and row-parallel layers also load fp8 checkpoints (``quant``, an
+:class:`atom.models._quant.Fp8Spec`): the weight is float8_e4m3fn and the scales are sliced with
+it (per-tensor: one scale per fused matrix; block-scaled: the scale rows/columns of this rank's
+tiles, so shard boundaries must fall on tile boundaries). ``process_weights_after_loading``
+picks the compute path (see :mod:`atom.models._quant`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.models._quant import (
+    FP8_DTYPE,
+    Fp8Spec,
+    dequant_block,
+    quantize_per_tensor,
+    scaled_mm_usable,
+)
 from atom.models.interfaces import ModelParallel
 
 VOCAB_PADDING = 64
@@ -44,6 +57,94 @@ def _new_param(*shape: int, dtype: Optional[torch.dtype]) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Fp8Linear(nn.Module):
+    """What the column- and row-parallel layers share for fp8 checkpoints: the scale parameters,
+    the post-load choice of compute path and the fp8 GEMM. ``quant`` None: a plain layer.
+
+    Parameters (checkpoint names): ``weight`` fp8 ``[N, K]``; per-tensor ``weight_scale``
+    ``[num_shards]`` (+ ``input_scale`` ``[num_shards]`` when static); block-scaled
+    ``weight_scale_inv`` ``[ceil(N / bn), ceil(K / bk)]``. After
+    :meth:`process_weights_after_loading` either ``weight`` is dequantised (activation dtype,
+    scales dropped) or, on CUDA per-tensor, ``weight`` stays fp8 with one ``weight_scale``.
+    """
+
+    def _init_weight(self, out: int, inp: int, num_shards: int, quant: Optional[Fp8Spec],
+                     dtype: Optional[torch.dtype]) -> None:
+        self.quant = quant
+        self.act_dtype = dtype or torch.get_default_dtype()
+        self.fp8_gemm = False
+        self.weight = _new_param(out, inp, dtype=FP8_DTYPE if quant is not None else dtype)
+        if quant is None:
+            return
+        if quant.block is None:
+            self.weight_scale = _new_param(num_shards, dtype=torch.float32)
+            if quant.static_activations:
+                self.input_scale = _new_param(num_shards, dtype=torch.float32)
+        else:
+            bn, bk = quant.block
+            self.weight_scale_inv = _new_param(_ceil_div(out, bn), _ceil_div(inp, bk), dtype=torch.float32)
+
+    @staticmethod
+    def _check_tiles(start: int, size: int, block: int, last: bool, what: str) -> None:
+        if start % block or (size % block and not last):
+            raise ValueError(f"fp8 block size {block} does not divide {what} (start {start}, size {size}): "
+                             f"block-scaled checkpoints need tensor-parallel shards on tile boundaries")
+
+    def process_weights_after_loading(self) -> None:
+        """Repack an fp8 layer for its compute path (a no-op for an unquantised one)."""
+        q = self.quant
+        if q is None or self.weight.dtype != FP8_DTYPE or self.fp8_gemm:
+            return  # unquantised, or already processed
+        if q.block is None and scaled_mm_usable(self.weight):
+            self._repack_per_tensor()
+            return
+        # Weight-only: dequantise once to the activation dtype; forward is the plain F.linear.
+        if q.block is None:
+            w = self.weight.float() * self._row_scales()[:, None]
+        else:
+            w = dequant_block(self.weight, self.weight_scale_inv, q.block)
+        self.weight = nn.Parameter(w.to(self.act_dtype), requires_grad=False)
+        for name in ("weight_scale", "weight_scale_inv", "input_scale"):
+            if name in self._parameters:
+                delattr(self, name)
+
+    def _row_scales(self) -> torch.Tensor:
+        """Per-tensor: the scale of each output row (its fused matrix's scale)."""
+        rows = torch.tensor(self._shard_rows(), device=self.weight_scale.device)
+        return self.weight_scale.float().repeat_interleave(rows, dim=0)
+
+    def _shard_rows(self) -> list[int]:
+        return [self.weight.shape[0]]
+
+    def _repack_per_tensor(self) -> None:
+        """CUDA per-tensor: requantise the fused shards to their largest scale (one scale per
+        GEMM, as vLLM does), keep the weight fp8 for ``torch._scaled_mm``."""
+        scale = self.weight_scale.float().max()
+        w = self.weight.float() * self._row_scales()[:, None].to(self.weight.device)
+        q, scale = quantize_per_tensor(w, scale)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if "input_scale" in self._parameters:
+            self.input_scale = nn.Parameter(self.input_scale.float().max(), requires_grad=False)
+        self.fp8_gemm = True
+
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.fp8_gemm:
+            if self.weight.dtype == FP8_DTYPE:
+                raise RuntimeError("fp8 layer used before process_weights_after_loading() repacked it")
+            return F.linear(x, self.weight, bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xq, xs = quantize_per_tensor(x2, getattr(self, "input_scale", None))
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
+                             bias=bias, out_dtype=x.dtype)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
 @dataclass(frozen=True)
 class OutputSlice:
     """Rows ``[src_start, src_start + size)`` of one logical checkpoint matrix go to rows
@@ -54,7 +155,7 @@ class OutputSlice:
     size: int
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Fp8Linear):
     """``y = x @ W_r.T (+ b_r)`` where ``W_r`` is this rank's rows of one or more fused matrices.
 
     ``slices`` maps a shard id (``None`` for an unfused layer, else e.g. ``"q"`` or ``0``) to
@@ -68,12 +169,21 @@ class ColumnParallelLinear(nn.Module):
         slices: Mapping[Optional[Hashable], OutputSlice],
         bias: bool = False,
         dtype: Optional[torch.dtype] = None,
+        quant: Optional[Fp8Spec] = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.local_output_size = local_output_size
         self.slices = dict(slices)
-        self.weight = _new_param(local_output_size, input_size, dtype=dtype)
+        # Shards in output order: shard i's per-tensor scale is weight_scale[i].
+        keys = [k for k in self.slices if k is not None] or [None]
+        self.shard_order = sorted(keys, key=lambda k: self.slices[k].dst_start)
+        self._init_weight(local_output_size, input_size, len(self.shard_order), quant, dtype)
+        if quant is not None and quant.block is not None:
+            last = max(self.slices.values(), key=lambda s: s.dst_start)
+            for k, sl in self.slices.items():
+                self._check_tiles(sl.src_start, sl.size, quant.block[0], sl is last, f"output shard {k!r}")
+                self._check_tiles(sl.dst_start, sl.size, quant.block[0], sl is last, f"output shard {k!r}")
         self.bias = _new_param(local_output_size, dtype=dtype) if bias else None
 
     @classmethod
@@ -84,6 +194,7 @@ class ColumnParallelLinear(nn.Module):
         parallel: ModelParallel,
         bias: bool = False,
         dtype: Optional[torch.dtype] = None,
+        quant: Optional[Fp8Spec] = None,
     ) -> "ColumnParallelLinear":
         """Matrices of ``output_sizes`` rows fused along the output (shard ids 0, 1, ...), each
         split evenly; one size gives a plain column-parallel layer (shard id None as well)."""
@@ -95,7 +206,7 @@ class ColumnParallelLinear(nn.Module):
             dst += local
         if len(output_sizes) == 1:
             slices[None] = slices[0]
-        return cls(input_size, dst, slices, bias=bias, dtype=dtype)
+        return cls(input_size, dst, slices, bias=bias, dtype=dtype, quant=quant)
 
     @classmethod
     def qkv(
@@ -107,6 +218,7 @@ class ColumnParallelLinear(nn.Module):
         parallel: ModelParallel,
         bias: bool = False,
         dtype: Optional[torch.dtype] = None,
+        quant: Optional[Fp8Spec] = None,
     ) -> "ColumnParallelLinear":
         """Fused q/k/v (shard ids ``"q"``, ``"k"``, ``"v"``). Query heads are split across ranks;
         KV heads too when there are at least as many as ranks, otherwise each KV head is
@@ -126,21 +238,34 @@ class ColumnParallelLinear(nn.Module):
             "k": OutputSlice(kv_index * kv_rows, q_rows, kv_rows),
             "v": OutputSlice(kv_index * kv_rows, q_rows + kv_rows, kv_rows),
         }
-        layer = cls(hidden_size, q_rows + 2 * kv_rows, slices, bias=bias, dtype=dtype)
+        layer = cls(hidden_size, q_rows + 2 * kv_rows, slices, bias=bias, dtype=dtype, quant=quant)
         layer.num_local_heads, layer.num_local_kv_heads = local_heads, local_kv
         return layer
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: Optional[Hashable] = None) -> None:
-        """Copy this rank's rows of checkpoint matrix ``shard_id`` into ``weight`` or ``bias``."""
+        """Copy this rank's rows of checkpoint matrix ``shard_id`` into ``weight`` or ``bias``
+        (or its scales: per-tensor into the shard's entry, block-scaled the scale rows of this
+        rank's tiles)."""
         param = getattr(self, param_name)
         if shard_id is None and None not in self.slices:
             raise ValueError(f"fused layer needs a shard id ({list(self.slices)}) for {param_name}")
         s = self.slices[shard_id]
-        _copy_into(param.data.narrow(0, s.dst_start, s.size), loaded.narrow(0, s.src_start, s.size),
-                   f"{param_name}[{shard_id}]")
+        what = f"{param_name}[{shard_id}]"
+        if param_name in ("weight_scale", "input_scale"):
+            index = 0 if shard_id is None else self.shard_order.index(shard_id)
+            _copy_into(param.data[index:index + 1], loaded.reshape(1), what)
+        elif param_name == "weight_scale_inv":
+            bn = self.quant.block[0]
+            rows = _ceil_div(s.size, bn)
+            _copy_into(param.data.narrow(0, s.dst_start // bn, rows), loaded.narrow(0, s.src_start // bn, rows), what)
+        else:
+            _copy_into(param.data.narrow(0, s.dst_start, s.size), loaded.narrow(0, s.src_start, s.size), what)
+
+    def _shard_rows(self) -> list[int]:
+        return [self.slices[k].size for k in self.shard_order]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
     def extra_repr(self) -> str:
         shards = [k for k in self.slices if k is not None]
@@ -159,7 +284,7 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Fp8Linear):
     """``y = all_reduce(x_r @ W_r.T) (+ b)``: ``x_r`` is this rank's slice of the input features
     (the output of a column-parallel layer), ``W_r`` the matching columns."""
 
@@ -170,11 +295,15 @@ class RowParallelLinear(nn.Module):
         parallel: ModelParallel,
         bias: bool = False,
         dtype: Optional[torch.dtype] = None,
+        quant: Optional[Fp8Spec] = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
         self.local_input_size = divide(input_size, parallel.tp_size, "row-parallel input size")
-        self.weight = _new_param(output_size, self.local_input_size, dtype=dtype)
+        self._init_weight(output_size, self.local_input_size, 1, quant, dtype)
+        if quant is not None and quant.block is not None:
+            self._check_tiles(parallel.tp_rank * self.local_input_size, self.local_input_size, quant.block[1],
+                              parallel.tp_size == 1, "the row-parallel input split")
         # The bias is added once, after the reduction, so every rank holds it whole.
         self.bias = _new_param(output_size, dtype=dtype) if bias else None
 
@@ -182,11 +311,19 @@ class RowParallelLinear(nn.Module):
         if param_name == "bias":
             _copy_into(self.bias.data, loaded, "bias")
             return
+        if param_name in ("weight_scale", "input_scale"):
+            _copy_into(getattr(self, param_name).data, loaded.reshape(1), param_name)
+            return
         start = self.parallel.tp_rank * self.local_input_size
+        if param_name == "weight_scale_inv":
+            bk = self.quant.block[1]
+            cols = self.weight_scale_inv.shape[1]
+            _copy_into(self.weight_scale_inv.data, loaded.narrow(1, start // bk, cols), param_name)
+            return
         _copy_into(self.weight.data, loaded.narrow(1, start, self.local_input_size), "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._matmul(x)
         if self.parallel.tp_size > 1:
             y = self.parallel.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -17,6 +17,16 @@ Parallelism (the MoE output is a sum of partial results, reduced once per layer)
   ``expert_map`` (global id -> local id, -1 elsewhere) makes the others contribute zero, and the
   partial outputs are summed over the EP group. Every rank sees every token (the all-reduce
   scheme, not all-to-all dispatch), so the EP group must hold the same tokens on every rank.
+
+fp8 checkpoints (``quant``, :class:`atom.models._quant.Fp8Spec`): ``w13``/``w2`` are
+float8_e4m3fn. Block-scaled: ``w13_weight_scale_inv [E, 2 * inter / bn, ceil(hidden / bk)]`` and
+``w2_weight_scale_inv [E, ceil(hidden / bn), inter / bk]`` (this rank's tiles; the local
+intermediate dim must be a multiple of the block). Per-tensor: ``w13_weight_scale [E, 2]``
+(gate, up), ``w2_weight_scale [E]`` and, for static activations, ``w13_input_scale [E, 2]`` /
+``w2_input_scale [E]`` (loaded; the fused kernel quantises activations per token group itself).
+On CUDA the experts run :func:`atom.ops.fused_moe` on the fp8 weights (per-tensor scales are
+expanded to 128 x 128 tiles when the dims allow); elsewhere the weights are dequantised at load
+(weight-only, see :mod:`atom.models._quant`).
 """
 
 from __future__ import annotations
@@ -31,10 +41,15 @@ from torch import nn
 from atom import ops
 from atom.models._linear import divide
 from atom.models._loading import StackedParams
+from atom.models._quant import FP8_DTYPE, Fp8Spec, dequant_block
 from atom.models.interfaces import ModelParallel
 
 #: Position of each checkpoint matrix in an expert's stacked weights (shard id = (expert, this)).
 GATE, UP, DOWN = 0, 1, 2
+
+
+def _f32_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
 
 
 class FusedMoE(nn.Module):
@@ -71,6 +86,7 @@ class FusedMoE(nn.Module):
         swiglu_alpha: float = 1.702,
         swiglu_limit: Optional[float] = 7.0,
         bias: bool = False,
+        quant: Optional[Fp8Spec] = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -88,8 +104,22 @@ class FusedMoE(nn.Module):
             self.inter_start = parallel.tp_rank * self.local_inter
             self.reduce_group = parallel.tp_group if parallel.tp_size > 1 else None
         e, i = self.num_local_experts, self.local_inter
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        self.quant, self.act_dtype = quant, dtype or torch.get_default_dtype()
+        self.block_shape: Optional[tuple[int, int]] = None  # set when the experts run in fp8
+        wdtype = FP8_DTYPE if quant is not None else dtype
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=wdtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=wdtype), requires_grad=False)
+        if quant is not None and quant.block is not None:
+            bn, bk = quant.block
+            if i % bn or self.inter_start % bn or (i % bk and i != intermediate_size) or self.inter_start % bk:
+                raise ValueError(f"fp8 block {list(quant.block)} does not tile this rank's expert "
+                                 f"intermediate slice ({self.inter_start}+{i} of {intermediate_size})")
+            self.w13_weight_scale_inv = _f32_param(e, 2 * i // bn, -(-hidden_size // bk))
+            self.w2_weight_scale_inv = _f32_param(e, -(-hidden_size // bn), -(-i // bk))
+        elif quant is not None:
+            self.w13_weight_scale, self.w2_weight_scale = _f32_param(e, 2), _f32_param(e)
+            if quant.static_activations:
+                self.w13_input_scale, self.w2_input_scale = _f32_param(e, 2), _f32_param(e)
         if bias:
             self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(e, hidden_size, dtype=dtype), requires_grad=False)
@@ -109,24 +139,41 @@ class FusedMoE(nn.Module):
 
     @staticmethod
     def checkpoint_params(num_experts: int, module: str = "experts",
-                          names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> StackedParams:
-        """How HF's ``{module}.{e}.{gate,up,down}.weight`` land in ``{module}.w13/w2``; ``names``
-        are the checkpoint's gate, up and down matrix names (Mixtral: ``w1``, ``w3``, ``w2``)."""
+                          names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                          quant: Optional[Fp8Spec] = None) -> StackedParams:
+        """How HF's ``{module}.{e}.{gate,up,down}.weight`` (and, for fp8, their scales) land in
+        ``{module}.w13/w2`` (``w13_weight_scale_inv``, ...); ``names`` are the checkpoint's gate,
+        up and down matrix names (Mixtral: ``w1``, ``w3``, ``w2``)."""
         gate, up, down = names
+        tensors = ["weight"]  # checkpoint tensor -> parameter ``w13_<tensor>`` (``w13`` for the weight)
+        if quant is not None:
+            tensors.append(quant.scale_name)
+            if quant.block is None and quant.static_activations:
+                tensors.append("input_scale")
         params = []
         for e in range(num_experts):
-            params += [
-                (f"{module}.w13", f"{module}.{e}.{gate}.weight", (e, GATE)),
-                (f"{module}.w13", f"{module}.{e}.{up}.weight", (e, UP)),
-                (f"{module}.w2", f"{module}.{e}.{down}.weight", (e, DOWN)),
-            ]
+            for tensor in tensors:
+                sfx = "" if tensor == "weight" else f"_{tensor}"
+                params += [
+                    (f"{module}.w13{sfx}", f"{module}.{e}.{gate}.{tensor}", (e, GATE)),
+                    (f"{module}.w13{sfx}", f"{module}.{e}.{up}.{tensor}", (e, UP)),
+                    (f"{module}.w2{sfx}", f"{module}.{e}.{down}.{tensor}", (e, DOWN)),
+                ]
         return params
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: Optional[Hashable] = None) -> None:
-        """Copy this rank's part of one expert's checkpoint matrix (others' experts: nothing)."""
+        """Copy this rank's part of one expert's checkpoint matrix or scale (others' experts:
+        nothing)."""
         expert, which = shard_id
         local = expert - self.expert_start
         if not 0 <= local < self.num_local_experts:
+            return
+        if param_name.endswith(("_weight_scale", "_input_scale")):  # per-tensor: one number
+            param = getattr(self, param_name).data[local]
+            (param if which == DOWN else param[which]).copy_(loaded.reshape(()))
+            return
+        if param_name.endswith("_weight_scale_inv"):
+            self._load_block_scale(param_name, loaded, local, which)
             return
         i, start = self.local_inter, self.inter_start
         if which == DOWN:
@@ -138,6 +185,59 @@ class FusedMoE(nn.Module):
                              f"!= expected {tuple(dst.shape)}")
         dst.copy_(src)
 
+    def _load_block_scale(self, param_name: str, loaded: torch.Tensor, local: int, which: int) -> None:
+        """The scale tiles of this rank's slice: rows of gate/up (intermediate rows split),
+        columns of down (intermediate columns split)."""
+        bn, bk = self.quant.block
+        param = getattr(self, param_name).data[local]
+        if which == DOWN:
+            n = param.shape[1]
+            src, dst = loaded.narrow(1, self.inter_start // bk, n), param
+        else:
+            n = self.local_inter // bn
+            src, dst = loaded.narrow(0, self.inter_start // bn, n), param.narrow(0, which * n, n)
+        if dst.shape != src.shape:
+            raise ValueError(f"{param_name}[{which}]: checkpoint scale slice {tuple(src.shape)} "
+                             f"!= expected {tuple(dst.shape)}")
+        dst.copy_(src)
+
+    def process_weights_after_loading(self) -> None:
+        """fp8: keep the weights fp8 for :func:`atom.ops.fused_moe` on CUDA (per-tensor scales
+        expanded to 128 x 128 tiles), else dequantise them to the activation dtype."""
+        if self.quant is None or self.w13.dtype != FP8_DTYPE or self.block_shape is not None:
+            return  # unquantised, or already processed
+        i, hidden = self.local_inter, self.w2.shape[1]
+        if self.quant.block is None:
+            s13 = self.w13_weight_scale.float().repeat_interleave(i, dim=1)  # [E, 2i]
+            s2 = self.w2_weight_scale.float()
+            if self.w13.device.type == "cuda" and i % 128 == 0 and hidden % 128 == 0:
+                # A per-tensor scale is a block scale repeated over every tile.
+                self._set_scales(s13[:, ::128, None].expand(-1, -1, hidden // 128),
+                                 s2[:, None, None].expand(-1, hidden // 128, i // 128), (128, 128))
+                return
+            w13 = self.w13.float() * s13[:, :, None]
+            w2 = self.w2.float() * s2[:, None, None]
+        else:
+            if self.w13.device.type == "cuda":
+                self._set_scales(self.w13_weight_scale_inv.data, self.w2_weight_scale_inv.data, self.quant.block)
+                return
+            w13 = dequant_block(self.w13, self.w13_weight_scale_inv, self.quant.block)
+            w2 = dequant_block(self.w2, self.w2_weight_scale_inv, self.quant.block)
+        self.w13 = nn.Parameter(w13.to(self.act_dtype), requires_grad=False)
+        self.w2 = nn.Parameter(w2.to(self.act_dtype), requires_grad=False)
+        for name in ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale",
+                     "w13_weight_scale_inv", "w2_weight_scale_inv"):
+            if name in self._parameters:
+                delattr(self, name)
+
+    def _set_scales(self, w13_scale: torch.Tensor, w2_scale: torch.Tensor, block: tuple[int, int]) -> None:
+        for name in ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale"):
+            if name in self._parameters:
+                delattr(self, name)
+        self.w13_weight_scale_inv = nn.Parameter(w13_scale.contiguous(), requires_grad=False)
+        self.w2_weight_scale_inv = nn.Parameter(w2_scale.contiguous(), requires_grad=False)
+        self.block_shape = tuple(block)
+
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Softmax top-k routing of ``router_logits`` ``[T, num_experts]``, then the experts."""
         topk_weights, topk_ids = ops.topk_softmax(router_logits, self.top_k, self.renormalize)
@@ -147,9 +247,13 @@ class FusedMoE(nn.Module):
                        topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts for a routing already chosen (``[T, top_k]`` weights and global ids),
         summed over the TP or EP group."""
+        if self.block_shape is None and self.w13.dtype == FP8_DTYPE:
+            raise RuntimeError("fp8 experts used before process_weights_after_loading() repacked them")
+        fp8 = {} if self.block_shape is None else dict(
+            w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv, block_shape=self.block_shape)
         out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, expert_map=self.expert_map,
                             w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.adds_w2_bias else None,
-                            **self.activation_kwargs)
+                            **self.activation_kwargs, **fp8)
         if self.reduce_group is not None:
             out = self.reduce_group.all_reduce(out)
         return out

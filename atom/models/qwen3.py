@@ -29,6 +29,8 @@ from atom.models._linear import (
     VocabParallelEmbedding,
 )
 from atom.models._loading import StackedParams, load_checkpoint_weights
+from atom.models._moe import FusedMoE
+from atom.models._quant import Fp8Spec, fp8_spec, layer_spec
 from atom.models.interfaces import AttentionFactory, ModelParallel
 
 #: Qwen3's RoPE base when a config omits it (what Qwen3 checkpoints and vLLM assume).
@@ -66,6 +68,8 @@ class Qwen3Attention(nn.Module):
         dtype: Optional[torch.dtype],
         prefix: str,
         options: Optional[AttentionOptions] = None,
+        quant: Optional[Fp8Spec] = None,
+        checkpoint_prefix: str = "",
     ) -> None:
         super().__init__()
         if options is None:
@@ -76,13 +80,14 @@ class Qwen3Attention(nn.Module):
         self.head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
         self.qkv_proj = ColumnParallelLinear.qkv(
             hidden, self.head_dim, num_heads, num_kv_heads, parallel, bias=options.qkv_bias, dtype=dtype,
+            quant=layer_spec(quant, checkpoint_prefix, ("q_proj", "k_proj", "v_proj")),
         )
         self.num_heads = self.qkv_proj.num_local_heads
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, parallel, bias=options.o_bias,
-                                        dtype=dtype)
+                                        dtype=dtype, quant=layer_spec(quant, checkpoint_prefix, ("o_proj",)))
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype=dtype)
@@ -121,16 +126,19 @@ class Qwen3MLP(nn.Module):
     """SwiGLU MLP; ``intermediate_size`` defaults to the config's (a shared expert passes its own)."""
 
     def __init__(self, hf_config: Any, parallel: ModelParallel, dtype: Optional[torch.dtype],
-                 intermediate_size: Optional[int] = None, bias: bool = False) -> None:
+                 intermediate_size: Optional[int] = None, bias: bool = False,
+                 quant: Optional[Fp8Spec] = None, checkpoint_prefix: str = "") -> None:
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"atom's gated MLP implements hidden_act='silu', not {act!r}")
         inter = intermediate_size or hf_config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear.merged(hf_config.hidden_size, [inter, inter], parallel,
-                                                        bias=bias, dtype=dtype)
+        self.gate_up_proj = ColumnParallelLinear.merged(
+            hf_config.hidden_size, [inter, inter], parallel, bias=bias, dtype=dtype,
+            quant=layer_spec(quant, checkpoint_prefix, ("gate_proj", "up_proj")))
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, parallel, bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, parallel, bias=bias, dtype=dtype,
+                                           quant=layer_spec(quant, checkpoint_prefix, ("down_proj",)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -147,13 +155,17 @@ class Qwen3DecoderLayer(nn.Module):
         prefix: str,
         mlp: Optional[nn.Module] = None,
         attention_options: Optional[AttentionOptions] = None,
+        quant: Optional[Fp8Spec] = None,
+        checkpoint_prefix: str = "",
     ) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(
-            hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, "self_attn"), attention_options
+            hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, "self_attn"), attention_options,
+            quant=quant, checkpoint_prefix=_join(checkpoint_prefix, "self_attn"),
         )
         # MoE variants (Qwen3-MoE, Mixtral, GLM-4-MoE) differ from the dense model in this block.
-        self.mlp = mlp if mlp is not None else Qwen3MLP(hf_config, parallel, dtype)
+        self.mlp = mlp if mlp is not None else Qwen3MLP(hf_config, parallel, dtype, quant=quant,
+                                                        checkpoint_prefix=_join(checkpoint_prefix, "mlp"))
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
 
@@ -183,6 +195,7 @@ class Qwen3Model(nn.Module):
         make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None,
         rope_params: Optional[dict[str, Any]] = None,
         attention_options: Optional[AttentionOptions] = None,
+        quant: Optional[Fp8Spec] = None,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
@@ -194,7 +207,8 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(hf_config, rotary_emb, make_attention, parallel, dtype, _join(prefix, f"layers.{i}"),
                               mlp=make_mlp(i) if make_mlp is not None else None,
-                              attention_options=attention_options)
+                              attention_options=attention_options, quant=quant,
+                              checkpoint_prefix=f"model.layers.{i}")
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
@@ -223,6 +237,11 @@ class Qwen3ForCausalLM(nn.Module):
             is named ``{prefix}model.layers.{i}.self_attn.attn``.
         parallel: this rank's tensor-parallel position and group.
         prefix: prepended to the attention layer names (the host's name for this model).
+
+    fp8 checkpoints (``quantization_config`` with ``quant_method: fp8``, see
+    :mod:`atom.models._quant`): the decoder projections load fp8 weights and scales (names in
+    ``ignored_layers`` stay unquantised, as do the embedding, head, norms and routers);
+    :meth:`process_weights_after_loading` repacks them once loading is done.
     """
 
     def __init__(
@@ -236,10 +255,12 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         hf = config.hf_config
         self.hf_config = hf
+        self.quant = fp8_spec(hf)
         max_position = max(int(getattr(hf, "max_position_embeddings", 0) or 0), int(config.max_model_len))
         self.model = Qwen3Model(hf, make_attention, parallel, config.dtype, max_position, _join(prefix, "model"),
                                 make_mlp=lambda i: self.build_mlp(i, config, parallel),
-                                rope_params=self.rope_params(hf), attention_options=self.attention_options(hf))
+                                rope_params=self.rope_params(hf), attention_options=self.attention_options(hf),
+                                quant=self.quant)
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, parallel, dtype=config.dtype)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -287,3 +308,11 @@ class Qwen3ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameter names (of this module) now loaded."""
         return load_checkpoint_weights(self, weights, self.stacked_params(), self.skip_weight)
+
+    def process_weights_after_loading(self) -> None:
+        """After every tensor is loaded: fp8 layers repack for their compute path (dequantise,
+        or keep fp8 for the GPU kernels). The host calls this once (vLLM: its model-level
+        post-load hook through the wrapper); a no-op for an unquantised checkpoint."""
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, FusedMoE)):
+                module.process_weights_after_loading()

@@ -21,6 +21,7 @@ from atom.config import Config
 from atom.models._linear import ReplicatedLinear
 from atom.models._loading import StackedParams
 from atom.models._moe import FusedMoE
+from atom.models._quant import Fp8Spec, layer_spec
 from atom.models.interfaces import ModelParallel
 from atom.models.qwen3 import STACKED_PARAMS, Qwen3ForCausalLM
 
@@ -45,18 +46,21 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     """HF names: ``mlp.gate.weight`` (router), ``mlp.experts.{e}.{gate,up,down}_proj.weight``."""
 
     def __init__(self, hf_config: Any, parallel: ModelParallel, use_expert_parallel: bool,
-                 dtype: Optional[torch.dtype]) -> None:
+                 dtype: Optional[torch.dtype], quant: Optional[Fp8Spec] = None, checkpoint_prefix: str = "") -> None:
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"atom's Qwen3-MoE experts implement hidden_act='silu', not {act!r}")
         n = num_experts(hf_config)
         # Replicated: every rank routes every token itself, so no collective precedes the experts.
+        # The router stays unquantised in fp8 checkpoints.
         self.gate = ReplicatedLinear(hf_config.hidden_size, n, dtype=dtype)
         self.experts = FusedMoE(
             n, hf_config.num_experts_per_tok, hf_config.hidden_size, hf_config.moe_intermediate_size, parallel,
             renormalize=bool(getattr(hf_config, "norm_topk_prob", True)),
             use_expert_parallel=use_expert_parallel, dtype=dtype,
+            quant=layer_spec(quant, checkpoint_prefix,
+                             [f"experts.{e}.{p}" for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")]),
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -70,9 +74,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> Optional[nn.Module]:
         if not is_sparse_layer(config.hf_config, layer_idx):
             return None
-        return Qwen3MoeSparseMoeBlock(config.hf_config, parallel, config.enable_expert_parallel, config.dtype)
+        return Qwen3MoeSparseMoeBlock(config.hf_config, parallel, config.enable_expert_parallel, config.dtype,
+                                      self.quant, f"model.layers.{layer_idx}.mlp")
 
     def stacked_params(self) -> StackedParams:
         # Expert entries first: ``experts.3.gate_proj`` would otherwise match the dense
         # ``gate_proj`` -> ``gate_up_proj`` entry.
-        return [*FusedMoE.checkpoint_params(num_experts(self.hf_config)), *STACKED_PARAMS]
+        return [*FusedMoE.checkpoint_params(num_experts(self.hf_config), quant=self.quant), *STACKED_PARAMS]

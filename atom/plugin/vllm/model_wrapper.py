@@ -10,6 +10,11 @@ vLLM builds, loads and runs an atom model through these methods (vLLM 0.26 - 0.3
   ``Attention`` layers, and vLLM's tensor-parallel group. No process globals.
 * ``load_weights(weights)`` -- called by vLLM's loader with vLLM's weight iterator; atom never
   reads checkpoint files itself. Returns the names loaded (vLLM checks that none is missing).
+  fp8 checkpoints (vLLM's ``fp8`` quantization) load fp8 weights and scales into atom's layers.
+* ``process_weights_after_loading()`` -- vLLM's model-level post-load hook (vLLM 0.32 calls it, 0.26 does not): atom's
+  fp8 layers repack (dequantise on CPU, keep fp8 for the GPU kernels). vLLM's per-layer loop has
+  already done so through the ``quant_method`` injected by ``atom.plugin.moe`` (the only
+  post-load call older vLLM makes); the layers' repack is idempotent.
 * ``forward(input_ids, positions, ...)`` -- called by the model runner each step, inside vLLM's
   forward context (attention metadata, KV caches).
 * ``compute_logits(hidden_states)`` -- vLLM's ``LogitsProcessor`` over atom's vocab-parallel
@@ -46,6 +51,10 @@ logger = get_logger("atom.plugin")
 
 #: Attribute under which the wrapper holds atom's model (its parameters are ``model.<name>``).
 ATOM_MODEL_ATTR = "model"
+
+#: Every vLLM ``--quantization`` method some atom model loads itself (per model:
+#: ``atom.plugin.models.ModelEntry.quantization``).
+SUPPORTED_QUANTIZATION = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -247,10 +256,12 @@ class ATOMModelBase(nn.Module):
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise NotImplementedError("atom models do not support pipeline parallelism yet; "
                                       "set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model")
-        if vllm_config.quant_config is not None:
+        quantization = vllm_config.model_config.quantization
+        if vllm_config.quant_config is not None and quantization not in entry.quantization:
+            supported = ", ".join(["unquantized", *(f"{q} with per-tensor or block scales" for q in entry.quantization)])
             raise NotImplementedError(
-                f"atom's {arch} runs unquantized checkpoints only (this one uses "
-                f"{vllm_config.model_config.quantization!r}); set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model"
+                f"atom's {arch} does not run {quantization!r} checkpoints (supported: {supported}); "
+                "set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model"
             )
 
         par = vllm_config.parallel_config

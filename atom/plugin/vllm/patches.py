@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from atom.patches import Injection, Patch, apply, register
+from atom.plugin.moe import MOE_RECORDS
 
 SUPPORTED = ">=0.26,<0.34"
 
@@ -111,7 +112,7 @@ ATTENTION_DECORATORS: dict[str, tuple[Injection, ...]] = {
     "mha": (MHA_BACKEND, MHA_BUILDER, MHA_IMPL),
 }
 
-VLLM_RECORDS = (ATTENTION_PWAL_DEFAULT, MHA_BACKEND, MHA_BUILDER, MHA_IMPL)
+VLLM_RECORDS = (ATTENTION_PWAL_DEFAULT, MHA_BACKEND, MHA_BUILDER, MHA_IMPL, *MOE_RECORDS)
 
 
 def arm_all() -> dict[str, str]:
