@@ -120,6 +120,10 @@ def run(model_dir: str, prompts: list, engine_kwargs: dict[str, Any] | None = No
             "logprobs": [float(e[t].logprob) for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
         } for o in outputs]
         out["steps"] = stats
+        from atom.patches import status
+        from atom.plugin.vllm import mla_patch
+
+        out["patches"] = {rec.id: status(rec).state.value for rec in mla_patch.RECORDS}
         sched = llm.llm_engine.vllm_config.scheduler_config
         out["chunked_prefill"] = bool(sched.enable_chunked_prefill)
         out["prefix_caching"] = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)

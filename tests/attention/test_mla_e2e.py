@@ -4,8 +4,9 @@ atom's MLA backend gives the same greedy tokens as on vLLM's CPU_MLA backend
 
 Chunked prefill and prefix caching: vLLM-CPU turns both off for its own MLA backend (CPU_MLA
 cannot attend over cached context), and vLLM's DeepSeek-V3 on CPU is not batch-invariant
-(measured here: CPU_MLA itself gives different greedy tokens, logprobs off by up to 0.47, when
-the same prompts run one at a time instead of batched, MoE or dense MLP alike), so a chunked run
+(measured while writing this test: CPU_MLA itself gives different greedy tokens, logprobs off by
+up to 0.47, when the same prompts run one at a time instead of batched; a dense-MLP variant of
+the checkpoint behaves the same, so it is not expert routing), so a chunked run
 cannot be compared token for token with an unchunked one. The chunked test therefore checks
 every step of atom's impl, inside the real engine, against dense MLA computed from the latent
 cache (``_mla_runner.install_step_check``).
@@ -113,4 +114,12 @@ def test_disabled_falls_back_with_one_log_line(stock):
             "vLLM's CPUMLABackend instead")
     assert stderr.count(line) == 1, stderr[-3000:]
     assert "ATOMMLABackend selected" not in stderr
+
+
+def test_non_atom_mla_layers_ran_through_the_applied_patches(stock):
+    # CPU_MLA's layers went through the wrapped MLAAttention methods (pass-through for a
+    # non-atom impl) and still served the reference tokens above.
+    theirs, _ = stock
+    assert set(theirs["patches"].values()) == {"applied"}, theirs["patches"]
+    assert theirs["layer_weights"]  # vLLM's own weight split ran for its own impl
     assert "chunked prefill and prefix caching kept" not in stderr
