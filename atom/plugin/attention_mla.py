@@ -182,16 +182,38 @@ class ATOMMLABackend(AttentionBackend):
         return None
 
     @classmethod
-    def validate_configuration(cls, device_capability: Any = None, **fields: Any) -> list[str]:
+    def validate_configuration(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: Optional[str],
+        block_size: Optional[int],
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        use_per_head_quant_scales: bool,
+        device_capability: Any,
+        attn_type: str,
+        has_sliding_window: bool = False,
+        use_non_causal: bool = False,
+        use_batch_invariant: bool = False,
+        use_kv_connector: bool = False,
+        use_pcp: bool = False,
+        use_adaptive_verification: bool = False,
+        use_dcp: bool = False,
+        use_rswa: bool = False,
+        **newer_fields: Any,
+    ) -> list[str]:
         """vLLM's checks (its base method, given the fields it knows) plus a refusal of any
         selector flag the installed base does not check: a feature atom has never seen is not
         assumed to work."""
+        given = {k: v for k, v in locals().items() if k not in ("cls", "newer_fields", "__class__")}
         base = super().validate_configuration
         accepted = inspect.signature(base).parameters
-        given = dict(fields, device_capability=device_capability)
         reasons = base(**{k: v for k, v in given.items() if k in accepted})
-        reasons += [f"{k}={v!r} is not supported by atom's MLA" for k, v in fields.items()
-                    if k not in accepted and v]
+        unchecked = {**{k: v for k, v in given.items() if k not in accepted}, **newer_fields}
+        reasons += [f"{k}={v!r} is not supported by atom's MLA" for k, v in unchecked.items() if v]
         return reasons
 
     @classmethod
