@@ -109,7 +109,9 @@ def _patch_states(vllm_installed: bool) -> list[dict[str, str]]:
     if vllm_installed:
         # Arm exactly as register_model does, then import each target so the real state shows.
         patches.arm_all()
-        for rec in patches.VLLM_RECORDS:
+        for rec in REGISTRY:
+            if not rec.module.startswith("vllm"):
+                continue
             try:
                 importlib.import_module(rec.module)
             except Exception:  # an unimportable target stays "armed": the listing says so

@@ -554,6 +554,10 @@ class ATOMMLAImpl(MLAAttentionImpl[ATOMMLAMetadata]):
         output.view(-1, heads, vdim).copy_(out[..., :vdim])
 
 
+def _rows(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
+    return None if t is None else t[rows]
+
+
 class _PluginModeMembers:
     """What the MLA decorator injects into :class:`ATOMMLAImpl` (see MLA_IMPL_INJECTION)."""
 
@@ -593,8 +597,10 @@ class _PluginModeMembers:
         q = q[:n].view(n, heads, self.qk_head_dim)
         out = output[:n].view(n, heads, self.v_head_dim)
         if n > nd:
-            self.forward_mha(q[nd:], kv_c_normed[nd:n], k_pe[nd:n], kv_cache, md, None,
-                             out[nd:].view(n - nd, heads * self.v_head_dim))
+            # the rows' new latents are read back from the cache, with their context
+            rows = slice(nd, n)
+            self.forward_mha(q[rows], _rows(kv_c_normed, rows), _rows(k_pe, rows), kv_cache, md, None,
+                             out[rows].view(n - nd, heads * self.v_head_dim))
         if nd:
             q_nope, q_pe = q[:nd].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
             # [Td, H, P] x [H, P, L] -> [Td, H, L], written token-major (unit-stride last dim).

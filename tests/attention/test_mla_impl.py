@@ -190,3 +190,110 @@ def test_kv_cache_geometry():
     assert ATOMMLABackend.supports_head_size(576) and ATOMMLABackend.supports_head_size(64 + 64)
     # head_size = kv_lora_rank + 64: ranks are multiples of 16 up to 512
     assert not any(ATOMMLABackend.supports_head_size(h) for h in (64, 64 + 40, 512 + 64 + 16))
+
+
+# -- GPU: atom's Triton kernels through the impl at DeepSeek-V3 sizes, bf16 ---------------------------
+G_HEADS, G_NOPE, G_ROPE, G_V, G_RANK = 16, 128, 64, 128, 512
+
+
+class _BigKvBProj(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        w = torch.randn(G_HEADS * (G_NOPE + G_V), G_RANK, device="cuda") / math.sqrt(G_RANK)
+        self.weight = torch.nn.Parameter(w.to(dtype), requires_grad=False)
+        self.quant_method = None
+
+    def forward(self, x):
+        return x @ self.weight.t(), None
+
+
+def _gpu_reference(q, c_kv, k_pe, context, w, scale):
+    q, c_kv, k_pe, w = q.float(), c_kv.float(), k_pe.float(), w.float()
+    kv = (c_kv @ w.t()).view(-1, G_HEADS, G_NOPE + G_V)
+    k = torch.cat([kv[..., :G_NOPE], k_pe[:, None].expand(-1, G_HEADS, G_ROPE)], -1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    n, total = q.shape[0], k.shape[0]
+    mask = torch.arange(total, device=q.device)[None] > (context + torch.arange(n, device=q.device))[:, None]
+    p = s.masked_fill(mask, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", p, kv[..., G_NOPE:]).reshape(n, -1)
+
+
+def _gpu_setup(vllm_config, steps, block=64, num_blocks=64):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    proj = _BigKvBProj(dt)
+    impl = ATOMMLAImpl(G_HEADS, G_RANK + G_ROPE, 1 / math.sqrt(G_NOPE + G_ROPE), 1, None, None, "auto",
+                       None, "decoder", None, q_lora_rank=1536, kv_lora_rank=G_RANK, qk_nope_head_dim=G_NOPE,
+                       qk_rope_head_dim=G_ROPE, qk_head_dim=G_NOPE + G_ROPE, v_head_dim=G_V, kv_b_proj=proj)
+    impl.process_weights_after_loading(dt)
+    cache = torch.zeros(num_blocks, 1, block, G_RANK + G_ROPE, device="cuda", dtype=dt).squeeze(1)
+    per_req = -(-max(c + n for c, n in steps) // block)
+    table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)[: len(steps) * per_req].view(len(steps), per_req)
+    c_kv = [torch.randn(c + n, G_RANK, device="cuda", dtype=dt) for c, n in steps]
+    k_pe = [torch.randn(c + n, G_ROPE, device="cuda", dtype=dt) for c, n in steps]
+
+    def slots(r, positions):
+        pos = torch.tensor(list(positions), device="cuda")
+        return (table[r, pos // block].long() * block + pos % block)
+
+    all_slots = [slots(r, range(c + n)) for r, (c, n) in enumerate(steps)]
+    impl.do_kv_cache_update(torch.cat(c_kv), torch.cat(k_pe)[:, None], cache, torch.cat(all_slots), "auto",
+                            torch.tensor(1.0, device="cuda"))
+    spec = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=G_RANK + G_ROPE, dtype=dt)
+    builder = ATOMMLAMetadataBuilder(spec, ["l0"], vllm_config, torch.device("cuda"))
+    q_lens = [n for _, n in steps]
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    seq = torch.tensor([c + n for c, n in steps], dtype=torch.int32)
+    new_slots = torch.cat([s[c:] for s, (c, _) in zip(all_slots, steps)])
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.cuda(), query_start_loc_cpu=qsl, seq_lens=seq.cuda(), num_reqs=len(steps),
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=int(seq.max()),
+        block_table_tensor=table, slot_mapping=new_slots, seq_lens_cpu_upper_bound=seq)
+    return impl, proj, cache, builder, common, c_kv, k_pe
+
+
+@pytest.mark.gpu
+def test_gpu_triton_impl_at_deepseek_sizes_bf16(vllm_config, plugin_mode):
+    """Mixed step (decodes, an extend over 700 cached tokens, a prefill) through atom's Triton
+    kernels vs dense fp32 MLA; every op must have run its Triton implementation."""
+    import atom.ops as ops
+
+    assert all(ops.OPS[n].backend_on("cuda")[0] == "triton" for n in ("mla_decode", "mla_write_latent_cache", "paged_attention"))
+    steps = [(1000, 1), (37, 1), (700, 64), (0, 200)]
+    impl, proj, cache, builder, common, c_kv, k_pe = _gpu_setup(vllm_config, steps)
+    md = builder.build(0, common)
+    n = common.num_actual_tokens
+    q = torch.randn(n, G_HEADS, G_NOPE + G_ROPE, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(n, G_HEADS * G_V, device="cuda", dtype=torch.bfloat16)
+    impl.forward(None, q, None, None, cache, md, out)
+    start = 0
+    for r, (ctx, k) in enumerate(steps):
+        ref = _gpu_reference(q[start:start + k], c_kv[r], k_pe[r], ctx, proj.weight, impl.scale)
+        torch.testing.assert_close(out[start:start + k].float(), ref, atol=3e-2, rtol=3e-2)
+        start += k
+
+
+@pytest.mark.gpu
+def test_gpu_decode_replays_in_a_cuda_graph(vllm_config, plugin_mode):
+    """build_for_cudagraph_capture + capture of the decode forward, then replay after the
+    context lengths grew (written into vLLM's seq_lens buffer in place): no host reads, and the
+    split count fixed at capture still covers the longer contexts."""
+    steps = [(300, 1), (5, 1), (1500, 1), (64, 1)]
+    impl, proj, cache, builder, common, c_kv, k_pe = _gpu_setup(vllm_config, steps, num_blocks=160)
+    md = builder.build_for_cudagraph_capture(common)
+    q = torch.randn(4, G_HEADS, G_NOPE + G_ROPE, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(4, G_HEADS * G_V, device="cuda", dtype=torch.bfloat16)
+    impl.forward(None, q, None, None, cache, md, out)  # warm up (Triton compile) outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(None, q, None, None, cache, md, out)
+    for shrink in (0, 3):  # replay at the captured lengths, then with shorter contexts
+        lens = [c + 1 - (shrink if c + 1 > shrink else 0) for c, _ in steps]
+        common.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        for r, total in enumerate(lens):
+            ref = _gpu_reference(q[r:r + 1], c_kv[r][:total], k_pe[r][:total], total - 1, proj.weight, impl.scale)
+            torch.testing.assert_close(out[r:r + 1].float(), ref, atol=3e-2, rtol=3e-2)
