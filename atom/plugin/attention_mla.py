@@ -36,6 +36,7 @@ The plugin-mode ``forward`` and ``process_weights_after_loading`` are not define
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
@@ -641,6 +642,8 @@ def enable_plugin_mode() -> Optional[str]:
             return str(exc)
     for record in mla_patch.REQUIRED:
         if not is_applied(record):
+            # armed records land when vLLM's MLA module is imported (it is, whenever a layer asks)
+            importlib.import_module(record.module)
             apply(record)
         if not is_applied(record):
             return f"patch {record.id} is not applied ({status(record)})"

@@ -114,6 +114,7 @@ def test_disabled_falls_back_with_one_log_line(stock):
             "vLLM's CPUMLABackend instead")
     assert stderr.count(line) == 1, stderr[-3000:]
     assert "ATOMMLABackend selected" not in stderr
+    assert "chunked prefill and prefix caching kept" not in stderr
 
 
 def test_non_atom_mla_layers_ran_through_the_applied_patches(stock):
@@ -122,4 +123,3 @@ def test_non_atom_mla_layers_ran_through_the_applied_patches(stock):
     theirs, _ = stock
     assert set(theirs["patches"].values()) == {"applied"}, theirs["patches"]
     assert theirs["layer_weights"]  # vLLM's own weight split ran for its own impl
-    assert "chunked prefill and prefix caching kept" not in stderr
