@@ -555,6 +555,21 @@ class ATOMMLAImpl(MLAAttentionImpl[ATOMMLAMetadata]):
         output.view(-1, heads, vdim).copy_(out[..., :vdim])
 
 
+def _split_kv_b_proj(kv_b_proj: Any, dtype: torch.dtype, rank: int, heads: int, nope: int,
+                     vdim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W_UK [rank, H, nope]``, ``W_UV [rank, H, v]`` from ``kv_b_proj``, dequantized:
+    vLLM's ``split_kv_b_proj`` where the installed release has it, else the same steps
+    through ``get_and_maybe_dequant_weights``."""
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
+    except ImportError:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
+
+        weight = get_and_maybe_dequant_weights(kv_b_proj).to(dtype).T
+        return weight.reshape(rank, heads, nope + vdim).split([nope, vdim], dim=-1)
+    return split_kv_b_proj(kv_b_proj, dtype, rank, heads, nope, vdim)
+
+
 def _rows(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
     return None if t is None else t[rows]
 
@@ -565,10 +580,8 @@ class _PluginModeMembers:
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Split ``kv_b_proj`` (dequantized to ``act_dtype`` by vLLM's helper) into the absorbed
         decode weights: ``W_UK_T [H, nope, rank]`` and ``W_UV [H, rank, v]``."""
-        from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
-
-        w_uk, w_uv = split_kv_b_proj(self.kv_b_proj, act_dtype, self.kv_lora_rank, self.num_heads,
-                                     self.qk_nope_head_dim, self.v_head_dim)
+        w_uk, w_uv = _split_kv_b_proj(self.kv_b_proj, act_dtype, self.kv_lora_rank, self.num_heads,
+                                      self.qk_nope_head_dim, self.v_head_dim)
         self.W_UK_T = w_uk.permute(1, 2, 0).contiguous()  # [L, H, P] -> [H, P, L]
         self.W_UV = w_uv.transpose(0, 1).contiguous()  # [L, H, V] -> [H, L, V]
 

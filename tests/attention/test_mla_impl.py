@@ -84,6 +84,14 @@ def _reference(q, c_kv, k_pe, context, w, scale):
 _STEP = [(9, 1), (20, 1), (13, 5), (0, 7)]
 
 
+def _host_seq_lens(seq: torch.Tensor) -> dict:
+    """The host copy of seq_lens under the installed release's field name (>= 0.29: an upper
+    bound, exact for prefills; 0.26: ``_seq_lens_cpu`` behind the ``seq_lens_cpu`` property)."""
+    fields = CommonAttentionMetadata.__dataclass_fields__
+    name = "seq_lens_cpu_upper_bound" if "seq_lens_cpu_upper_bound" in fields else "_seq_lens_cpu"
+    return {name: seq} if name in fields and fields[name].init else {}
+
+
 def _common_metadata(block_table, seq_lens, q_lens, slots) -> CommonAttentionMetadata:
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
@@ -91,7 +99,7 @@ def _common_metadata(block_table, seq_lens, q_lens, slots) -> CommonAttentionMet
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq,
         num_reqs=len(q_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens),
         max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=slots,
-        seq_lens_cpu_upper_bound=seq,
+        **_host_seq_lens(seq),
     )
 
 
@@ -250,7 +258,7 @@ def _gpu_setup(vllm_config, steps, block=64, num_blocks=64):
     common = CommonAttentionMetadata(
         query_start_loc=qsl.cuda(), query_start_loc_cpu=qsl, seq_lens=seq.cuda(), num_reqs=len(steps),
         num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=int(seq.max()),
-        block_table_tensor=table, slot_mapping=new_slots, seq_lens_cpu_upper_bound=seq)
+        block_table_tensor=table, slot_mapping=new_slots, **_host_seq_lens(seq))
     return impl, proj, cache, builder, common, c_kv, k_pe
 
 
