@@ -83,8 +83,8 @@ def collect() -> dict[str, Any]:
 
 
 def _attention_choices(vllm_installed: bool) -> dict[str, dict[str, Any]]:
-    """atom's answer for a typical decoder layer (head size 128, bf16, auto cache, block 16),
-    MHA and MLA, through the same function the platform calls."""
+    """atom's answer for a typical decoder layer (bf16, auto cache, block 16; head size 128 for
+    MHA, 576 for MLA), through the same function the platform calls."""
     if not vllm_installed:
         return {kind: {"atom_backend": None, "reason": "vLLM is not installed"} for kind in ("mha", "mla")}
     import torch
@@ -93,9 +93,12 @@ def _attention_choices(vllm_installed: bool) -> dict[str, dict[str, Any]]:
     from atom.plugin.vllm import compat
 
     cls = compat.selector_config_cls()
-    base = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
+    base = dict(dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
+    # MLA: DeepSeek-V3's latent head (kv_lora_rank 512 + rope 64)
+    head_size = {"mha": 128, "mla": 576}
     return {
-        kind: dict(zip(("atom_backend", "reason"), select_attention_backend(cls(**base, use_mla=kind == "mla"))))
+        kind: dict(zip(("atom_backend", "reason"), select_attention_backend(
+            cls(**base, head_size=head_size[kind], use_mla=kind == "mla"))))
         for kind in ("mha", "mla")
     }
 
@@ -109,7 +112,9 @@ def _patch_states(vllm_installed: bool) -> list[dict[str, str]]:
     if vllm_installed:
         # Arm exactly as register_model does, then import each target so the real state shows.
         patches.arm_all()
-        for rec in patches.VLLM_RECORDS:
+        for rec in REGISTRY:
+            if not rec.module.startswith("vllm"):
+                continue
             try:
                 importlib.import_module(rec.module)
             except Exception:  # an unimportable target stays "armed": the listing says so

@@ -39,7 +39,7 @@ def test_active(capsys):
     assert "vllm.attention.pwal_default_dtype: applied" in out
     assert "rms_norm" in out and "torch" in out  # per-op backend and why
     assert "  mha: atom.plugin.attention_mha.ATOMAttentionBackend (atom MHA backend)" in out
-    assert "  mla: vLLM default (atom has no MLA attention backend yet)" in out
+    assert "  mla: atom.plugin.attention_mla.ATOMMLABackend (atom MLA backend)" in out
     assert out.strip().splitlines()[-1].startswith("atom would activate")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 #: Modules that declare records at import (each must not import vLLM or torch).
-CATALOG_MODULES = ("atom.plugin.vllm.patches", "atom.plugin.moe")
+CATALOG_MODULES = ("atom.plugin.vllm.patches", "atom.plugin.moe", "atom.plugin.vllm.mla_patch")
 
 
 def load(include_test_fixtures: bool = False) -> None:

@@ -12,10 +12,11 @@ from typing import Any, Optional
 
 from atom import envs
 
-#: atom's attention backends for vLLM, by kind. A kind without an entry (MLA, for now) makes the
-#: platform return vLLM's own choice and say why once.
+#: atom's attention backends for vLLM, by kind. A kind without an entry makes the platform
+#: return vLLM's own choice and say why once.
 ATTENTION_BACKENDS: dict[str, str] = {
     "mha": "atom.plugin.attention_mha.ATOMAttentionBackend",
+    "mla": "atom.plugin.attention_mla.ATOMMLABackend",
 }
 
 
@@ -50,6 +51,12 @@ def select_attention_backend(attn_selector_config: Any) -> tuple[Optional[str], 
     taken = module.register()
     if taken is not None:
         return None, taken
+    # A backend that needs vLLM's layers patched (MLA: atom.plugin.vllm.mla_patch) applies its
+    # injections now and says why not when the patches are off or refused.
+    enable = getattr(module, "enable_plugin_mode", None)
+    blocked = enable() if enable is not None else None
+    if blocked is not None:
+        return None, blocked
     return backend, f"atom {kind.upper()} backend"
 
 

@@ -153,8 +153,8 @@ def test_refused_with_reason(attention_on, kw, why):
 
 
 def test_mla_and_sparse_and_disabled(attention_on, monkeypatch):
-    assert plugin_register.select_attention_backend(_selector(use_mla=True, head_size=576)) == (
-        None, "atom has no MLA attention backend yet")
+    # MLA layers go to atom's MLA backend (tests/attention/test_mla_backend.py)
+    assert plugin_register.select_attention_backend(_selector(use_mla=True, head_size=576))[1] == "atom MLA backend"
     assert plugin_register.select_attention_backend(_selector(use_sparse=True))[0] is None
     monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", "1")
     assert plugin_register.select_attention_backend(_selector()) == (

@@ -117,4 +117,7 @@ VLLM_RECORDS = (ATTENTION_PWAL_DEFAULT, MHA_BACKEND, MHA_BUILDER, MHA_IMPL, *MOE
 
 def arm_all() -> dict[str, str]:
     """Apply or arm every vLLM record (environment decides); id -> status text."""
-    return {rec.id: str(apply(rec)) for rec in VLLM_RECORDS}
+    from atom.plugin.vllm import mla_patch
+
+    records = dict.fromkeys(VLLM_RECORDS + mla_patch.RECORDS)  # ordered, each once
+    return {rec.id: str(apply(rec)) for rec in records}

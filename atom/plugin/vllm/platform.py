@@ -47,3 +47,20 @@ class ATOMPlatform:
         parent = super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)  # type: ignore[misc]
         info_once(f"attn-parent:{why}", f"atom attention not used ({why}); vLLM's {parent.rpartition('.')[2]} instead", logger)
         return parent
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        """The parent's, except that an MLA model served by atom's MLA backend keeps the user's
+        chunked prefill, prefix caching and token budget (vLLM-CPU turns them off for MLA
+        because its own CPU MLA backend cannot attend over cached context; atom's can)."""
+        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        before = (sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
+        super().check_and_update_config(vllm_config)  # type: ignore[misc]
+        after = (sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
+        if after == before or vllm_config.model_config is None or not vllm_config.model_config.use_mla:
+            return
+        from atom.plugin.attention_mla import serves_model
+
+        if serves_model(vllm_config) is None:
+            sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens = before
+            info_once("mla-scheduling", "atom MLA backend: chunked prefill and prefix caching kept as configured", logger)

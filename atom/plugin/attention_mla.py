@@ -1,0 +1,699 @@
+"""atom's MLA (multi-head latent attention) backend for vLLM: backend, metadata builder, impl.
+
+For DeepSeek-V2/V3 and Kimi-K2 shaped layers (``kv_lora_rank`` up to 512, ``qk_rope_head_dim``
+64). How vLLM reaches each piece (0.32; 0.26 differs where marked):
+
+* ``ATOMPlatform.get_attn_backend_cls`` -> ``atom.plugin.register.select_attention_backend``
+  returns :data:`BACKEND_QUALNAME` for a ``use_mla`` layer it supports. Before answering it calls
+  :func:`register` (the dynamic ``AttentionBackendEnum`` member ``ATOM_MLA``: vLLM looks backends
+  up by ``get_name()``; ``CUSTOM`` belongs to atom's MHA backend, and a name of our own takes no
+  slot another plugin could own) and :func:`enable_plugin_mode` (the injections below and
+  ``atom.plugin.vllm.mla_patch``).
+* ``MLAAttention.__init__`` builds ``ATOMMLAImpl(num_heads, head_size, scale, num_kv_heads, ...,
+  q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, qk_head_dim, v_head_dim,
+  kv_b_proj, indexer)``.
+* The KV-cache manager asks ``MLAAttention.get_kv_cache_spec`` (routed by mla_patch to
+  :meth:`ATOMMLAImpl.get_kv_cache_spec` for our layers) for the latent cache: one
+  ``[kv_lora_rank | rope]`` row per token, ``[num_blocks, block_size, kv_lora_rank + rope]``
+  after ``MLAAttention.bind_kv_cache`` squeezes the head axis.
+* The model runner builds one :class:`ATOMMLAMetadataBuilder` per KV-cache group, reorders the
+  batch so decodes come first (``reorder_batch_threshold = 1``) and calls ``build`` every step
+  (``build_for_cudagraph_capture`` while capturing full graphs).
+* Per layer and step, ``MLAAttention.forward`` (or vLLM's ``unified_mla_*`` custom ops) calls
+  ``impl.do_kv_cache_update`` (latent write, ``atom.ops.mla_write_latent_cache``) and then
+  ``MLAAttention.forward_impl``, which mla_patch routes to the plugin-mode ``impl.forward``:
+  decode rows by weight absorption over the latent cache (``atom.ops.mla_decode``), prefill and
+  extend rows by up-projecting the cached latents through ``kv_b_proj`` and paged attention
+  (``atom.ops.paged_attention``).
+* After weight loading, vLLM's loader calls ``MLAAttention.process_weights_after_loading
+  (act_dtype)``; mla_patch routes it to the plugin-mode ``impl.process_weights_after_loading``,
+  which splits ``kv_b_proj`` into the absorbed ``W_UK_T`` / ``W_UV`` atom's decode uses.
+
+The plugin-mode ``forward`` and ``process_weights_after_loading`` are not defined on
+``ATOMMLAImpl`` itself: they are injected by the :class:`atom.patches.Injection` records
+:data:`MLA_IMPL_INJECTION` when the backend is chosen, and ``revert`` restores the class.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Union
+
+import torch
+
+from atom._logging import get_logger
+from atom.patches import Injection, PatchError, apply, is_applied, status
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MLAAttentionImpl,
+    MultipleOf,
+)
+
+logger = get_logger("atom.plugin")
+
+#: The ``AttentionBackendEnum`` member atom registers for this backend (a name of its own).
+BACKEND_NAME = "ATOM_MLA"
+#: What vLLM resolves by name (``resolve_obj_by_qualname``: dots only).
+BACKEND_QUALNAME = "atom.plugin.attention_mla.ATOMMLABackend"
+
+#: The rope part of the latent row; the write kernel rotates it in pairs of a power-of-two size.
+ROPE_DIM = 64
+#: The decode kernel keeps a ``next_pow2(kv_lora_rank)`` tile of the latent in registers.
+MAX_KV_LORA_RANK = 512
+
+# Every AttentionSelectorConfig field either release passes to validate_configuration.
+_FLAG_FIELDS = (
+    "use_mla", "has_sink", "use_sparse", "use_mm_prefix", "use_per_head_quant_scales",
+    "has_sliding_window", "use_non_causal", "use_batch_invariant", "use_kv_connector",
+    "use_pcp", "use_adaptive_verification", "use_dcp", "use_rswa",
+)
+
+
+def register() -> Optional[str]:
+    """Register ``AttentionBackendEnum.ATOM_MLA`` -> this backend (idempotent); the reason when
+    the name is already taken by someone else or this vLLM cannot add names."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    member = AttentionBackendEnum.__members__.get(BACKEND_NAME)
+    if member is not None:
+        current = member.get_path()
+        if current == BACKEND_QUALNAME:
+            return None
+        return f"AttentionBackendEnum.{BACKEND_NAME} is already registered to {current}"
+    try:
+        register_backend(BACKEND_NAME, BACKEND_QUALNAME)
+    except (TypeError, ValueError, AttributeError) as exc:
+        return f"vLLM cannot register the attention backend name {BACKEND_NAME} ({exc})"
+    return None
+
+
+# -- backend ----------------------------------------------------------------------------------
+
+
+def _mla_geometry_reasons(kv_lora_rank: int, qk_rope_head_dim: int) -> list[str]:
+    reasons = []
+    if qk_rope_head_dim != ROPE_DIM:
+        reasons.append(f"qk_rope_head_dim {qk_rope_head_dim} (atom's MLA needs {ROPE_DIM})")
+    if not (0 < kv_lora_rank <= MAX_KV_LORA_RANK and kv_lora_rank % 16 == 0):
+        reasons.append(f"kv_lora_rank {kv_lora_rank} (atom's MLA takes multiples of 16 up to "
+                       f"{MAX_KV_LORA_RANK})")
+    return reasons
+
+
+class ATOMMLABackend(AttentionBackend):
+    """Latent-cache MLA for dense (non-sparse) DeepSeek-style decoder layers."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    # No fp8 latent cache yet: the kernels take a kv_scale, but vLLM's _k_scale plumbing
+    # (calibration, checkpoint scales) is not wired or tested.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["ATOMMLAImpl"]:
+        return ATOMMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["ATOMMLAMetadataBuilder"]:
+        return ATOMMLAMetadataBuilder
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Union[int, MultipleOf]]:
+        # The kernels take any page size; vLLM-CPU forces 16 for MLA, GPUs use 16 or more.
+        return [MultipleOf(16)]
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """vLLM <= 0.28 allocates this per layer: one latent row per token (``num_kv_heads`` is
+        1 for MLA). From 0.29 vLLM allocates ``[B, 1, N, C]`` itself and the layer squeezes it."""
+        if block_size % 16 != 0:
+            raise ValueError(f"atom's MLA needs a block size that is a multiple of 16, got {block_size}")
+        return (num_blocks, block_size, head_size)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # kv_lora_rank + 64 for every supported rank, see supports_head_size
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return not _mla_geometry_reasons(head_size - ROPE_DIM, ROPE_DIM)
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False  # never exercised with a KV connector
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_combination(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: Optional[str],
+        block_size: Optional[int],
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        device_capability: Any,
+    ) -> Optional[str]:
+        if kv_cache_dtype in ("float16", "bfloat16") and getattr(torch, kv_cache_dtype) != dtype:
+            return f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {dtype}"
+        return None
+
+    @classmethod
+    def validate_configuration(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: Optional[str],
+        block_size: Optional[int],
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        use_per_head_quant_scales: bool,
+        device_capability: Any,
+        attn_type: str,
+        has_sliding_window: bool = False,
+        use_non_causal: bool = False,
+        use_batch_invariant: bool = False,
+        use_kv_connector: bool = False,
+        use_pcp: bool = False,
+        use_adaptive_verification: bool = False,
+        use_dcp: bool = False,
+        use_rswa: bool = False,
+        **newer_fields: Any,
+    ) -> list[str]:
+        """vLLM's checks (its base method, given the fields it knows) plus a refusal of any
+        selector flag the installed base does not check: a feature atom has never seen is not
+        assumed to work."""
+        given = {k: v for k, v in locals().items() if k not in ("cls", "newer_fields", "__class__")}
+        base = super().validate_configuration
+        accepted = inspect.signature(base).parameters
+        reasons = base(**{k: v for k, v in given.items() if k in accepted})
+        unchecked = {**{k: v for k, v in given.items() if k not in accepted}, **newer_fields}
+        reasons += [f"{k}={v!r} is not supported by atom's MLA" for k, v in unchecked.items() if v]
+        return reasons
+
+    @classmethod
+    def unsupported_reasons(cls, attn_selector_config: Any, device_capability: Any = None) -> list[str]:
+        """``validate_configuration`` for one ``AttentionSelectorConfig`` plus the layer geometry
+        the selector does not carry (rank and rope split, read from the model config)."""
+        fields = dict(attn_selector_config._asdict())
+        for name in _FLAG_FIELDS:
+            fields.setdefault(name, False)
+        fields.setdefault("attn_type", AttentionType.DECODER)
+        reasons = cls.validate_configuration(device_capability=device_capability, **fields)
+        dims = _model_mla_dims()
+        if dims is not None:
+            reasons += _mla_geometry_reasons(*dims)
+        return reasons
+
+
+def _model_mla_dims() -> Optional[tuple[int, int]]:
+    """(kv_lora_rank, qk_rope_head_dim) of the model being built, or None when unknown."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        hf = get_current_vllm_config().model_config.hf_text_config
+    except Exception:  # no current config (unit tests of the selector): head_size decides
+        return None
+    rank, rope = getattr(hf, "kv_lora_rank", None), getattr(hf, "qk_rope_head_dim", None)
+    if rank is None or rope is None:
+        return None
+    return int(rank), int(rope)
+
+
+# -- metadata ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ATOMMLAMetadata:
+    """One step of one KV-cache group, split for MLA: decode rows first (one token each, read in
+    the latent space), then extend rows (new tokens over cached context) and prefill rows (no
+    context), both served by the up-projected path.
+
+    Tensors are vLLM's own device tensors (slices, no copies); every int comes from vLLM's
+    host-side bookkeeping, so building this never reads a device value.
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, new tokens included
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, -1 = padding
+    num_decodes: int
+    num_decode_tokens: int
+    num_extends: int
+    num_prefills: int  # prefill rows, extends excluded
+    num_prefill_tokens: int  # tokens of extend and prefill rows
+    #: query_start_loc of the extend+prefill rows, rebased to their first token
+    prefill_query_start_loc: Optional[torch.Tensor] = None
+    causal: bool = True
+
+
+class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
+    """Turns vLLM's ``CommonAttentionMetadata`` into :class:`ATOMMLAMetadata`.
+
+    ``reorder_batch_threshold = 1``: vLLM's runner puts single-token decode rows first, so the
+    split is two boundaries read from host tensors.
+    """
+
+    # Full CUDA graphs for uniform single-token decode batches only: the decode path is two
+    # bmm's and the split-KV Triton kernel whose split count is fixed from max_seq_len at
+    # capture (see build_for_cudagraph_capture); the prefill path sizes its gather by the
+    # step's max_seq_len. The torch reference (CPU) reads device values on the host: no graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    reorder_batch_threshold: ClassVar[Optional[int]] = 1
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        import atom.ops as ops
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        graph_safe = all(
+            ops.OPS[name].backend_on(device)[0] == "triton"
+            for name in ("mla_decode", "mla_write_latent_cache")
+        )
+        return cls._cudagraph_support if graph_safe else AttentionCGSupport.NEVER
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> ATOMMLAMetadata:
+        from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+        m = common_attn_metadata
+        if isinstance(m.causal, torch.Tensor) or not m.causal:
+            raise NotImplementedError("atom's MLA backend serves causal decoder attention only")
+        num_decodes, num_rest, num_decode_tokens, num_rest_tokens = split_decodes_and_prefills(
+            m, decode_threshold=1)
+        num_extends = num_rest - _count_fresh_prefills(m, num_decodes) if num_rest else 0
+        prefill_qsl = None
+        if num_rest:
+            prefill_qsl = m.query_start_loc[num_decodes:] - num_decode_tokens
+        return ATOMMLAMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            num_reqs=m.num_reqs,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_extends=num_extends,
+            num_prefills=num_rest - num_extends,
+            num_prefill_tokens=num_rest_tokens,
+            prefill_query_start_loc=prefill_qsl,
+        )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> ATOMMLAMetadata:
+        """As ``build`` for a decode-only batch, with ``max_seq_len`` raised to
+        ``max_model_len``: the decode kernel fixes its KV split count from it at capture, and
+        the graph is replayed for every context length up to the model's limit."""
+        m = common_attn_metadata
+        if m.max_query_len > 1:
+            raise ValueError("atom's MLA captures full CUDA graphs of single-token decode batches only "
+                             f"(max_query_len {m.max_query_len})")
+        md = self.build(0, m)
+        md.max_seq_len = max(md.max_seq_len, int(self.vllm_config.model_config.max_model_len))
+        return md
+
+
+def _count_fresh_prefills(m: CommonAttentionMetadata, num_decodes: int) -> int:
+    """Rows after the decodes with no cached context (seq_len == query_len), from host tensors
+    only; vLLM orders them last. 0.26 has ``seq_lens_cpu``, >= 0.29 an exact-for-prefills
+    ``seq_lens_cpu_upper_bound``; without either every non-decode row counts as an extend."""
+    seq_lens = getattr(m, "seq_lens_cpu_upper_bound", None)
+    if seq_lens is None:
+        seq_lens = getattr(m, "_seq_lens_cpu", None)
+    if seq_lens is None:
+        return 0
+    qsl = m.query_start_loc_cpu
+    query_lens = qsl[num_decodes + 1: m.num_reqs + 1] - qsl[num_decodes: m.num_reqs]
+    return int((seq_lens[num_decodes: m.num_reqs] == query_lens).sum())
+
+
+# -- impl -------------------------------------------------------------------------------------
+
+
+class ATOMMLAImpl(MLAAttentionImpl[ATOMMLAMetadata]):
+    """One MLA layer: latent-cache write (``do_kv_cache_update``), absorbed decode
+    (``forward_mqa``), up-projected prefill/extend (``forward_mha``). The plugin-mode
+    ``forward`` (called by the patched ``MLAAttention.forward_impl``) and
+    ``process_weights_after_loading`` are injected from :class:`_PluginModeMembers`."""
+
+    supports_dcp: bool = False
+    supports_pcp: bool = False
+    can_return_lse_for_decode: bool = False
+    supports_quant_query_input: bool = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: Optional[list[float]],
+        sliding_window: Optional[int],
+        kv_cache_dtype: str,
+        logits_soft_cap: Optional[float],
+        attn_type: str,
+        kv_sharing_target_layer_name: Optional[str],
+        q_lora_rank: Optional[int],
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        qk_head_dim: int,
+        v_head_dim: int,
+        kv_b_proj: Any,
+        indexer: Optional[object] = None,
+        q_pad_num_heads: Optional[int] = None,
+        **unsupported: Any,
+    ) -> None:
+        # The selector cannot see these, so the layer that asks for them fails at model build.
+        if alibi_slopes is not None or logits_soft_cap or sliding_window is not None:
+            raise NotImplementedError("atom's MLA backend has no ALiBi, soft-cap or sliding window")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"atom's MLA backend serves decoder attention, not {attn_type}")
+        if kv_sharing_target_layer_name is not None:
+            raise NotImplementedError("atom's MLA backend has no KV sharing")
+        if indexer is not None or unsupported.get("topk_indices_buffer") is not None:
+            raise NotImplementedError("atom's MLA backend has no sparse (indexer) attention")
+        if kv_cache_dtype not in ATOMMLABackend.supported_kv_cache_dtypes:
+            raise NotImplementedError(f"atom's MLA backend has no {kv_cache_dtype} latent cache")
+        reasons = _mla_geometry_reasons(kv_lora_rank, qk_rope_head_dim)
+        if reasons or head_size != kv_lora_rank + qk_rope_head_dim:
+            raise NotImplementedError(f"atom's MLA backend does not support {', '.join(reasons) or head_size}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_head_dim = qk_head_dim
+        self.v_head_dim = v_head_dim
+        self.kv_b_proj = kv_b_proj
+        self.indexer = None
+        self.q_pad_num_heads = None
+        # Set by process_weights_after_loading: W_UK^T [H, nope, rank], W_UV [H, rank, v].
+        self.W_UK_T: Optional[torch.Tensor] = None
+        self.W_UV: Optional[torch.Tensor] = None
+        self._identity_rope: Optional[torch.Tensor] = None
+
+    def fused_output_quant_supported(self, quant_key: Any) -> bool:
+        return False  # no fused output quantization: vLLM's fusion pass leaves our output alone
+
+    def get_kv_cache_spec(self, layer: Any, stock_spec: Any) -> Any:
+        """The latent-cache spec for ``layer`` (what mla_patch returns for our layers): vLLM's
+        own ``MLAAttentionSpec`` (one ``kv_lora_rank + rope`` row per token, one KV head),
+        checked against what atom's kernels read."""
+        if type(stock_spec).__name__ != "MLAAttentionSpec":
+            raise NotImplementedError(f"atom's MLA backend has no {type(stock_spec).__name__} latent cache")
+        if stock_spec.head_size != self.kv_lora_rank + self.qk_rope_head_dim or stock_spec.num_kv_heads != 1:
+            raise ValueError(f"latent cache spec {stock_spec} does not match the layer "
+                             f"({self.kv_lora_rank} + {self.qk_rope_head_dim}, 1 head)")
+        return stock_spec
+
+    def do_kv_cache_update(
+        self,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+    ) -> None:
+        """Write ``[kv_c_normed | k_pe]`` of this step's tokens into the latent cache.
+
+        vLLM's MLA wrapper has already applied RoPE to ``k_pe``; the op's RoPE is run with the
+        identity table (cos 1, sin 0: exact), so the row is stored as given.
+        """
+        if kv_cache.numel() == 0:
+            return
+        from atom.ops import mla_write_latent_cache
+
+        slots = slot_mapping.flatten()
+        n = slots.shape[0]
+        rope = self.qk_rope_head_dim
+        table = self._identity_rope
+        if table is None or table.device != kv_c_normed.device or table.dtype != kv_c_normed.dtype:
+            table = torch.cat([torch.ones(rope // 2), torch.zeros(rope // 2)]).view(1, rope)
+            table = self._identity_rope = table.to(device=kv_c_normed.device, dtype=kv_c_normed.dtype)
+        positions = torch.zeros(n, dtype=torch.long, device=kv_c_normed.device)
+        mla_write_latent_cache(kv_c_normed[:n], k_pe[:n].reshape(n, rope), positions, table,
+                               kv_cache, slots, True)
+
+    def forward_mqa(
+        self,
+        q: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: ATOMMLAMetadata,
+        layer: Any,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Absorbed decode of the decode rows: ``q`` is ``(q_nope @ W_UK, q_pe)`` or their
+        concatenation ``[Td, H, rank + rope]``; returns the latent output ``[Td, H, rank]``."""
+        from atom.ops import mla_decode
+
+        if not isinstance(q, tuple):
+            q = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        ql_nope, q_pe = q
+        md = attn_metadata
+        nd = md.num_decodes
+        out = mla_decode(ql_nope, q_pe, kv_c_and_k_pe_cache, md.block_table[:nd], md.seq_lens[:nd],
+                         self.scale, max_seq_len=md.max_seq_len)
+        return out, None
+
+    def forward_mha(
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: ATOMMLAMetadata,
+        k_scale: torch.Tensor,
+        output: torch.Tensor,
+        output_scale: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Prefill and extend rows (``q [Tp, H, qk_head_dim]``; ``output [Tp, H * v_head_dim]``):
+        the rows' whole context is read back from the latent cache (this step's tokens were
+        written by ``do_kv_cache_update``), up-projected through ``kv_b_proj`` into per-head
+        keys and values, and attended with atom's paged attention (causal, the new tokens last).
+
+        The gather is sized by the step's ``max_seq_len`` (a host int), never by device values:
+        every row reads its first ``cdiv(max_seq_len, block_size)`` block-table entries, and
+        ``seq_lens`` masks what lies beyond a row's context.
+        """
+        if output_scale is not None:
+            raise NotImplementedError("atom's MLA backend has no fused output quantization")
+        from atom.ops import paged_attention
+
+        md = attn_metadata
+        heads, nope, rope, vdim = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        rank = self.kv_lora_rank
+        rows = slice(md.num_decodes, md.num_reqs)
+        cache = kv_c_and_k_pe_cache
+        block_size = cache.shape[1]
+        n_blocks = -(-md.max_seq_len // block_size)
+        # Unused block-table entries may hold anything; clamp keeps the gather in bounds.
+        table = md.block_table[rows, :n_blocks].clamp(min=0)
+        num_rows = table.shape[0]
+        latent = cache[table.reshape(-1).long()].reshape(-1, rank + rope)  # [R*nb*bs, rank+rope]
+        kv = self.kv_b_proj(latent[:, :rank].to(q.dtype))[0].view(-1, heads, nope + vdim)
+        k_nope, v = kv.split([nope, vdim], dim=-1)
+        k_pe_ctx = latent[:, rank:].to(q.dtype).unsqueeze(1).expand(-1, heads, rope)
+        width = max(nope + rope, vdim)
+        key = torch.cat([k_nope, k_pe_ctx], dim=-1)
+        pad_q = width - (nope + rope)
+        if pad_q:  # zero columns leave the scores unchanged
+            key = torch.nn.functional.pad(key, (0, pad_q))
+            q = torch.nn.functional.pad(q, (0, pad_q))
+        value = torch.nn.functional.pad(v, (0, width - vdim)) if width > vdim else v
+        shape = (num_rows * n_blocks, block_size, heads, width)
+        new_table = torch.arange(num_rows * n_blocks, dtype=torch.int32, device=q.device).view(num_rows, n_blocks)
+        out = paged_attention(
+            q.contiguous(), key.reshape(shape).contiguous(), value.reshape(shape).contiguous(), new_table,
+            md.seq_lens[rows], md.prefill_query_start_loc, md.max_query_len, md.max_seq_len, self.scale,
+            causal=True,
+        )
+        output.view(-1, heads, vdim).copy_(out[..., :vdim])
+
+
+def _split_kv_b_proj(kv_b_proj: Any, dtype: torch.dtype, rank: int, heads: int, nope: int,
+                     vdim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W_UK [rank, H, nope]``, ``W_UV [rank, H, v]`` from ``kv_b_proj``, dequantized:
+    vLLM's ``split_kv_b_proj`` where the installed release has it, else the same steps
+    through ``get_and_maybe_dequant_weights``."""
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
+    except ImportError:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
+
+        weight = get_and_maybe_dequant_weights(kv_b_proj).to(dtype).T
+        return weight.reshape(rank, heads, nope + vdim).split([nope, vdim], dim=-1)
+    return split_kv_b_proj(kv_b_proj, dtype, rank, heads, nope, vdim)
+
+
+def _rows(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
+    return None if t is None else t[rows]
+
+
+class _PluginModeMembers:
+    """What the MLA decorator injects into :class:`ATOMMLAImpl` (see MLA_IMPL_INJECTION)."""
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Split ``kv_b_proj`` (dequantized to ``act_dtype`` by vLLM's helper) into the absorbed
+        decode weights: ``W_UK_T [H, nope, rank]`` and ``W_UV [H, rank, v]``."""
+        w_uk, w_uv = _split_kv_b_proj(self.kv_b_proj, act_dtype, self.kv_lora_rank, self.num_heads,
+                                      self.qk_nope_head_dim, self.v_head_dim)
+        self.W_UK_T = w_uk.permute(1, 2, 0).contiguous()  # [L, H, P] -> [H, P, L]
+        self.W_UV = w_uv.transpose(0, 1).contiguous()  # [L, H, V] -> [H, L, V]
+
+    def forward(
+        self,
+        layer: Any,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Optional[ATOMMLAMetadata],
+        output: torch.Tensor,
+        output_scale: Optional[torch.Tensor] = None,
+        output_block_scale: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The whole attention of one MLA layer and step (the cache is already written):
+        ``q [T, H, qk_head_dim]`` -> ``output [T, H * v_head_dim]`` (written in place; padding
+        rows beyond ``num_actual_tokens`` are left alone)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("atom's MLA backend has no fused output quantization")
+        if attn_metadata is None:
+            # vLLM's profiling run: no cache or metadata yet; return something defined.
+            return output.fill_(0)
+        md = attn_metadata
+        n, nd = md.num_actual_tokens, md.num_decode_tokens
+        heads = self.num_heads
+        q = q[:n].view(n, heads, self.qk_head_dim)
+        out = output[:n].view(n, heads, self.v_head_dim)
+        if n > nd:
+            # the rows' new latents are read back from the cache, with their context
+            rows = slice(nd, n)
+            self.forward_mha(q[rows], _rows(kv_c_normed, rows), _rows(k_pe, rows), kv_cache, md, None,
+                             out[rows].view(n - nd, heads * self.v_head_dim))
+        if nd:
+            q_nope, q_pe = q[:nd].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+            # [Td, H, P] x [H, P, L] -> [Td, H, L], written token-major (unit-stride last dim).
+            ql_nope = q_nope.new_empty(nd, heads, self.kv_lora_rank)
+            torch.bmm(q_nope.transpose(0, 1), self.W_UK_T, out=ql_nope.transpose(0, 1))
+            latent, _ = self.forward_mqa((ql_nope, q_pe), kv_cache, md, layer)
+            # [H, Td, L] x [H, L, V] -> [H, Td, V], into the token-major output.
+            torch.bmm(latent.transpose(0, 1), self.W_UV, out=out[:nd].transpose(0, 1))
+        return output
+
+
+#: The MLA decorator: plugin-mode members injected into atom's MLA impl when the backend is
+#: chosen (``enable_plugin_mode``); ``atom.patches.revert`` restores the class.
+MLA_IMPL_INJECTION = Injection(
+    id="atom.mla.impl_plugin_mode",
+    target="atom.plugin.attention_mla:ATOMMLAImpl",
+    source="atom.plugin.attention_mla:_PluginModeMembers",
+    members=("process_weights_after_loading", "forward"),
+    base="vllm.v1.attention.backend:MLAAttentionImpl",
+    signatures=(("process_weights_after_loading", "(self, act_dtype)"),),
+    reason="vLLM-mode weight split and forward of atom's MLA impl, reached through mla_patch",
+    upstream="vllm MLAAttentionImpl.process_weights_after_loading; MLAAttention.forward_impl",
+    removal="never while atom serves vLLM's MLAAttention layers",
+)
+
+INJECTIONS = (MLA_IMPL_INJECTION,)
+
+
+def enable_plugin_mode() -> Optional[str]:
+    """Apply the MLA decorator and check that mla_patch routes vLLM's MLA layer to atom's impl;
+    the reason when it cannot (then the platform keeps vLLM's MLA backend)."""
+    from atom.plugin.vllm import mla_patch
+
+    for record in INJECTIONS:
+        try:
+            apply(record, enabled=True)
+        except PatchError as exc:
+            return str(exc)
+    for record in mla_patch.REQUIRED:
+        if not is_applied(record):
+            # armed records land when vLLM's MLA module is imported (it is, whenever a layer asks)
+            importlib.import_module(record.module)
+            apply(record)
+        if not is_applied(record):
+            return f"patch {record.id} is not applied ({status(record)})"
+    return None
+
+
+def serves_model(vllm_config: Any) -> Optional[str]:
+    """None when atom's MLA backend will serve this model's MLA layers, else why not; decided
+    from the config alone (what the selector will see), before vLLM builds the model.
+
+    vLLM-CPU turns chunked prefill and prefix caching off for MLA models because its own CPU
+    MLA backend cannot attend over cached context; atom's can (the extend path), so the platform
+    asks this to keep the user's scheduling settings (``ATOMPlatform.check_and_update_config``).
+    """
+    from atom import envs
+    from atom.patches import disabled_by
+    from atom.plugin.vllm import mla_patch
+
+    model = vllm_config.model_config
+    if model is None or not getattr(model, "use_mla", False):
+        return "not an MLA model"
+    if envs.ATOM_DISABLE_VLLM_PLUGIN_ATTENTION:
+        return "disabled by ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1"
+    requested = getattr(vllm_config.attention_config, "backend", None)
+    if requested is not None and getattr(requested, "name", None) not in ("CUSTOM", BACKEND_NAME):
+        return f"attention backend {requested.name} requested"
+    for record in mla_patch.REQUIRED:
+        why = disabled_by(record)
+        if why is not None:
+            return f"patch {record.id} disabled by {why}"
+    hf = model.hf_text_config
+    if getattr(hf, "index_topk", None):
+        return "sparse (indexer) MLA"
+    reasons = _mla_geometry_reasons(int(getattr(hf, "kv_lora_rank", 0) or 0),
+                                    int(getattr(hf, "qk_rope_head_dim", 0) or 0))
+    if model.dtype not in ATOMMLABackend.supported_dtypes:
+        reasons.append(f"dtype {model.dtype}")
+    if vllm_config.cache_config.cache_dtype not in ATOMMLABackend.supported_kv_cache_dtypes:
+        reasons.append(f"kv_cache_dtype {vllm_config.cache_config.cache_dtype}")
+    return ", ".join(reasons) or None

@@ -1,0 +1,307 @@
+"""atom's MLA impl against a dense torch reference of DeepSeek's attention (no absorption, no
+cache), at small sizes: shuffled block tables, a cache view that is not contiguous, and one step
+mixing decodes, a chunk over cached context (extend) and a fresh prefill -- metadata built by
+atom's builder from vLLM's own ``CommonAttentionMetadata``."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from atom.patches import apply, revert
+from atom.plugin.attention_mla import (
+    MLA_IMPL_INJECTION,
+    ATOMMLABackend,
+    ATOMMLAImpl,
+    ATOMMLAMetadataBuilder,
+)
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+HEADS, NOPE, ROPE, VDIM = 4, 32, 64, 48
+BLOCK, NUM_BLOCKS = 16, 24
+
+
+class _KvBProj(torch.nn.Module):
+    """What the impl needs of vLLM's ColumnParallelLinear kv_b_proj: ``(x @ W^T, None)``."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(HEADS * (NOPE + VDIM), rank) / math.sqrt(rank),
+                                         requires_grad=False)
+        self.quant_method = None
+
+    def forward(self, x):
+        return x @ self.weight.t(), None
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_model):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(tiny_model("deepseek_v3", "float32")), max_model_len=128,
+                      dtype="float32").create_engine_config()
+
+
+@pytest.fixture
+def plugin_mode():
+    apply(MLA_IMPL_INJECTION, enabled=True)
+    yield
+    revert(MLA_IMPL_INJECTION)
+
+
+def _builder(vllm_config, rank):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=rank + ROPE, dtype=torch.float32)
+    return ATOMMLAMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], vllm_config, torch.device("cpu"))
+
+
+def _impl(rank, kv_b_proj):
+    return ATOMMLAImpl(HEADS, rank + ROPE, 1 / math.sqrt(NOPE + ROPE), 1, None, None, "auto", None,
+                       "decoder", None, q_lora_rank=None, kv_lora_rank=rank, qk_nope_head_dim=NOPE,
+                       qk_rope_head_dim=ROPE, qk_head_dim=NOPE + ROPE, v_head_dim=VDIM,
+                       kv_b_proj=kv_b_proj)
+
+
+def _reference(q, c_kv, k_pe, context, w, scale):
+    """DeepSeek MLA for one request, straight from the weights: q ``[n, H, nope+rope]`` of the
+    last n positions, c_kv ``[ctx+n, rank]``, k_pe ``[ctx+n, rope]``."""
+    kv = (c_kv @ w.t()).view(-1, HEADS, NOPE + VDIM)
+    k_nope, v = kv.split([NOPE, VDIM], dim=-1)
+    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, HEADS, ROPE)], dim=-1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    n, total = q.shape[0], k.shape[0]
+    mask = torch.arange(total)[None, :] > (context + torch.arange(n))[:, None]
+    s = s.masked_fill(mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v).reshape(n, HEADS * VDIM)
+
+
+# (cached context, new tokens) per request, in the order vLLM's reorder puts them:
+# decodes, then an extend (a chunk over cached context), then a fresh prefill.
+_STEP = [(9, 1), (20, 1), (13, 5), (0, 7)]
+
+
+def _host_seq_lens(seq: torch.Tensor) -> dict:
+    """The host copy of seq_lens under the installed release's field name (>= 0.29: an upper
+    bound, exact for prefills; 0.26: ``_seq_lens_cpu`` behind the ``seq_lens_cpu`` property)."""
+    fields = CommonAttentionMetadata.__dataclass_fields__
+    name = "seq_lens_cpu_upper_bound" if "seq_lens_cpu_upper_bound" in fields else "_seq_lens_cpu"
+    return {name: seq} if name in fields and fields[name].init else {}
+
+
+def _common_metadata(block_table, seq_lens, q_lens, slots) -> CommonAttentionMetadata:
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq,
+        num_reqs=len(q_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=slots,
+        **_host_seq_lens(seq),
+    )
+
+
+@pytest.mark.parametrize("rank,ops_backend", [(64, "auto"), (512, "auto"), (64, "triton")])
+def test_impl_matches_dense_mla(vllm_config, plugin_mode, rank, ops_backend, monkeypatch):
+    if ops_backend == "triton":
+        from atom.ops._dispatch import triton_available
+
+        if not torch.cuda.is_available() and (not triton_available() or os.environ.get("TRITON_INTERPRET") != "1"):
+            pytest.skip("needs a GPU or Triton's interpreter")
+        monkeypatch.setenv("ATOM_OPS_BACKEND", "mla_decode=triton,mla_write_latent_cache=triton,paged_attention=triton")
+    torch.manual_seed(0)
+    kv_b_proj = _KvBProj(rank)
+    impl = _impl(rank, kv_b_proj)
+    impl.process_weights_after_loading(torch.float32)
+
+    # vLLM's logical [blocks, 1 head, block_size, rank+rope] cache, squeezed as the layer does;
+    # a wider allocation makes the view non-contiguous across blocks.
+    storage = torch.full((NUM_BLOCKS, 1, BLOCK, rank + ROPE + 8), float("nan"))
+    kv_cache = storage[..., : rank + ROPE].squeeze(1)
+    assert not kv_cache.is_contiguous()
+
+    blocks = torch.randperm(NUM_BLOCKS, dtype=torch.int32)
+    block_table = torch.stack([blocks[i * 4:(i + 1) * 4] for i in range(len(_STEP))])
+    c_kv = [torch.randn(c + n, rank) for c, n in _STEP]
+    k_pe = [torch.randn(c + n, ROPE) for c, n in _STEP]
+
+    def slots(r, positions):
+        return torch.tensor([int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK for p in positions])
+
+    # the cached context, written by the impl itself in an earlier "step"
+    for r, (ctx, _) in enumerate(_STEP):
+        if ctx:
+            impl.do_kv_cache_update(c_kv[r][:ctx], k_pe[r][:ctx].unsqueeze(1), kv_cache,
+                                    slots(r, range(ctx)), "auto", torch.tensor(1.0))
+    # this step: its tokens, then attention
+    new_slots = torch.cat([slots(r, range(ctx, ctx + n)) for r, (ctx, n) in enumerate(_STEP)])
+    new_c = torch.cat([c_kv[r][ctx:] for r, (ctx, _) in enumerate(_STEP)])
+    new_pe = torch.cat([k_pe[r][ctx:] for r, (ctx, _) in enumerate(_STEP)]).unsqueeze(1)
+    impl.do_kv_cache_update(new_c, new_pe, kv_cache, new_slots, "auto", torch.tensor(1.0))
+
+    q_lens = [n for _, n in _STEP]
+    common = _common_metadata(block_table, [c + n for c, n in _STEP], q_lens, new_slots)
+    md = _builder(vllm_config, rank).build(0, common)
+    assert (md.num_decodes, md.num_decode_tokens, md.num_extends, md.num_prefills, md.num_prefill_tokens) == (2, 2, 1, 1, 12)
+
+    q = torch.randn(sum(q_lens), HEADS, NOPE + ROPE)
+    output = torch.full((sum(q_lens) + 3, HEADS * VDIM), float("nan"))  # padded as for graphs
+    impl.forward(None, q, new_c, new_pe, kv_cache, md, output)
+
+    start = 0
+    for r, (ctx, n) in enumerate(_STEP):
+        ref = _reference(q[start:start + n], c_kv[r], k_pe[r], ctx, kv_b_proj.weight, impl.scale)
+        torch.testing.assert_close(output[start:start + n], ref, atol=2e-4, rtol=2e-4,
+                                   msg=lambda m: f"request {r} (context {ctx}, {n} new): {m}")
+        start += n
+    assert torch.isnan(output[start:]).all()  # padding rows untouched
+
+
+def test_latent_cache_holds_the_rows_as_given(plugin_mode):
+    torch.manual_seed(0)
+    impl = _impl(64, _KvBProj(64))
+    cache = torch.zeros(4, BLOCK, 64 + ROPE)
+    c, pe = torch.randn(3, 64), torch.randn(3, 1, ROPE)
+    impl.do_kv_cache_update(c, pe, cache, torch.tensor([5, -1, 40]), "auto", torch.tensor(1.0))
+    flat = cache.view(-1, 64 + ROPE)
+    assert torch.equal(flat[5], torch.cat([c[0], pe[0, 0]])) and torch.equal(flat[40], torch.cat([c[2], pe[2, 0]]))
+    assert flat.count_nonzero(dim=1).gt(0).sum() == 2  # the padding row (-1) wrote nothing
+
+
+def test_profiling_run_without_metadata_returns_zeros(plugin_mode):
+    impl = _impl(64, _KvBProj(64))
+    out = torch.full((3, HEADS * VDIM), 7.0)
+    assert impl.forward(None, torch.randn(3, HEADS, NOPE + ROPE), None, None, torch.empty(0), None, out) is out
+    assert not out.any()
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"sliding_window": 8}, "sliding window"),
+    ({"kv_cache_dtype": "fp8"}, "fp8"),
+    ({"indexer": object()}, "sparse"),
+    ({"kv_sharing_target_layer_name": "x"}, "KV sharing"),
+])
+def test_impl_refuses_what_the_selector_cannot_see(kw, match):
+    args = dict(num_heads=HEADS, head_size=64 + ROPE, scale=1.0, num_kv_heads=1, alibi_slopes=None,
+                sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder",
+                kv_sharing_target_layer_name=None, q_lora_rank=None, kv_lora_rank=64,
+                qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, qk_head_dim=NOPE + ROPE,
+                v_head_dim=VDIM, kv_b_proj=None)
+    with pytest.raises(NotImplementedError, match=match):
+        ATOMMLAImpl(**{**args, **kw})
+
+
+def test_kv_cache_geometry():
+    assert ATOMMLABackend.get_kv_cache_shape(10, 16, 1, 576) == (10, 16, 576)
+    assert ATOMMLABackend.supports_head_size(576) and ATOMMLABackend.supports_head_size(64 + 64)
+    # head_size = kv_lora_rank + 64: ranks are multiples of 16 up to 512
+    assert not any(ATOMMLABackend.supports_head_size(h) for h in (64, 64 + 40, 512 + 64 + 16))
+
+
+# -- GPU: atom's Triton kernels through the impl at DeepSeek-V3 sizes, bf16 ---------------------------
+G_HEADS, G_NOPE, G_ROPE, G_V, G_RANK = 16, 128, 64, 128, 512
+
+
+class _BigKvBProj(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        w = torch.randn(G_HEADS * (G_NOPE + G_V), G_RANK, device="cuda") / math.sqrt(G_RANK)
+        self.weight = torch.nn.Parameter(w.to(dtype), requires_grad=False)
+        self.quant_method = None
+
+    def forward(self, x):
+        return x @ self.weight.t(), None
+
+
+def _gpu_reference(q, c_kv, k_pe, context, w, scale):
+    q, c_kv, k_pe, w = q.float(), c_kv.float(), k_pe.float(), w.float()
+    kv = (c_kv @ w.t()).view(-1, G_HEADS, G_NOPE + G_V)
+    k = torch.cat([kv[..., :G_NOPE], k_pe[:, None].expand(-1, G_HEADS, G_ROPE)], -1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    n, total = q.shape[0], k.shape[0]
+    mask = torch.arange(total, device=q.device)[None] > (context + torch.arange(n, device=q.device))[:, None]
+    p = s.masked_fill(mask, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", p, kv[..., G_NOPE:]).reshape(n, -1)
+
+
+def _gpu_setup(vllm_config, steps, block=64, num_blocks=64):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    proj = _BigKvBProj(dt)
+    impl = ATOMMLAImpl(G_HEADS, G_RANK + G_ROPE, 1 / math.sqrt(G_NOPE + G_ROPE), 1, None, None, "auto",
+                       None, "decoder", None, q_lora_rank=1536, kv_lora_rank=G_RANK, qk_nope_head_dim=G_NOPE,
+                       qk_rope_head_dim=G_ROPE, qk_head_dim=G_NOPE + G_ROPE, v_head_dim=G_V, kv_b_proj=proj)
+    impl.process_weights_after_loading(dt)
+    cache = torch.zeros(num_blocks, 1, block, G_RANK + G_ROPE, device="cuda", dtype=dt).squeeze(1)
+    per_req = -(-max(c + n for c, n in steps) // block)
+    table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)[: len(steps) * per_req].view(len(steps), per_req)
+    c_kv = [torch.randn(c + n, G_RANK, device="cuda", dtype=dt) for c, n in steps]
+    k_pe = [torch.randn(c + n, G_ROPE, device="cuda", dtype=dt) for c, n in steps]
+
+    def slots(r, positions):
+        pos = torch.tensor(list(positions), device="cuda")
+        return (table[r, pos // block].long() * block + pos % block)
+
+    all_slots = [slots(r, range(c + n)) for r, (c, n) in enumerate(steps)]
+    impl.do_kv_cache_update(torch.cat(c_kv), torch.cat(k_pe)[:, None], cache, torch.cat(all_slots), "auto",
+                            torch.tensor(1.0, device="cuda"))
+    spec = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=G_RANK + G_ROPE, dtype=dt)
+    builder = ATOMMLAMetadataBuilder(spec, ["l0"], vllm_config, torch.device("cuda"))
+    q_lens = [n for _, n in steps]
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    seq = torch.tensor([c + n for c, n in steps], dtype=torch.int32)
+    new_slots = torch.cat([s[c:] for s, (c, _) in zip(all_slots, steps)])
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.cuda(), query_start_loc_cpu=qsl, seq_lens=seq.cuda(), num_reqs=len(steps),
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=int(seq.max()),
+        block_table_tensor=table, slot_mapping=new_slots, **_host_seq_lens(seq))
+    return impl, proj, cache, builder, common, c_kv, k_pe
+
+
+@pytest.mark.gpu
+def test_gpu_triton_impl_at_deepseek_sizes_bf16(vllm_config, plugin_mode):
+    """Mixed step (decodes, an extend over 700 cached tokens, a prefill) through atom's Triton
+    kernels vs dense fp32 MLA; every op must have run its Triton implementation."""
+    import atom.ops as ops
+
+    assert all(ops.OPS[n].backend_on("cuda")[0] == "triton" for n in ("mla_decode", "mla_write_latent_cache", "paged_attention"))
+    steps = [(1000, 1), (37, 1), (700, 64), (0, 200)]
+    impl, proj, cache, builder, common, c_kv, k_pe = _gpu_setup(vllm_config, steps)
+    md = builder.build(0, common)
+    n = common.num_actual_tokens
+    q = torch.randn(n, G_HEADS, G_NOPE + G_ROPE, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(n, G_HEADS * G_V, device="cuda", dtype=torch.bfloat16)
+    impl.forward(None, q, None, None, cache, md, out)
+    start = 0
+    for r, (ctx, k) in enumerate(steps):
+        ref = _gpu_reference(q[start:start + k], c_kv[r], k_pe[r], ctx, proj.weight, impl.scale)
+        torch.testing.assert_close(out[start:start + k].float(), ref, atol=3e-2, rtol=3e-2)
+        start += k
+
+
+@pytest.mark.gpu
+def test_gpu_decode_replays_in_a_cuda_graph(vllm_config, plugin_mode):
+    """build_for_cudagraph_capture + capture of the decode forward, then replay after the
+    context lengths grew (written into vLLM's seq_lens buffer in place): no host reads, and the
+    split count fixed at capture still covers the longer contexts."""
+    steps = [(300, 1), (5, 1), (1500, 1), (64, 1)]
+    impl, proj, cache, builder, common, c_kv, k_pe = _gpu_setup(vllm_config, steps, num_blocks=160)
+    md = builder.build_for_cudagraph_capture(common)
+    q = torch.randn(4, G_HEADS, G_NOPE + G_ROPE, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(4, G_HEADS * G_V, device="cuda", dtype=torch.bfloat16)
+    impl.forward(None, q, None, None, cache, md, out)  # warm up (Triton compile) outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(None, q, None, None, cache, md, out)
+    for shrink in (0, 3):  # replay at the captured lengths, then with shorter contexts
+        lens = [c + 1 - (shrink if c + 1 > shrink else 0) for c, _ in steps]
+        common.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        for r, total in enumerate(lens):
+            ref = _gpu_reference(q[r:r + 1], c_kv[r][:total], k_pe[r][:total], total - 1, proj.weight, impl.scale)
+            torch.testing.assert_close(out[r:r + 1].float(), ref, atol=3e-2, rtol=3e-2)
