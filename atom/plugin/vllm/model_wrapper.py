@@ -130,6 +130,25 @@ class VllmAttentionFactory:
             prefix=prefix,
         )
 
+    def fuse_qk_norm_rope(self, layer: nn.Module, q_norm: nn.Module, k_norm: nn.Module,
+                          rotary: nn.Module) -> bool:
+        """Hand ``layer``'s impl the model's QK-norm and RoPE (see ``atom.models.interfaces``):
+        True when the impl now applies them and writes the cache in one op inside ``forward``,
+        so the model must pass q/k un-normed and un-rotated. False (the model does both itself)
+        when the fusion is off or the layer's backend is not atom's (e.g.
+        ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1)."""
+        if not self.qk_norm_rope_fusion:
+            return False
+        enable = getattr(layer.impl, "enable_fused_qk_norm_rope", None)
+        if enable is None:
+            info_once("qk-fusion-backend", f"ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=1 ignored: attention "
+                      f"impl {type(layer.impl).__name__} is not atom's", logger)
+            return False
+        from atom.plugin.attention_mha import FusedQKNormRope
+
+        enable(FusedQKNormRope(q_norm=q_norm, k_norm=k_norm, rotary=rotary))
+        return True
+
 
 class _VllmLinearView:
     """What vLLM's MLA layer and backends read of ``kv_b_proj`` (a vLLM ``LinearBase``:
@@ -175,26 +194,6 @@ def _mla_layer_cls_in(module: str) -> type:
     return type("AtomMLAAttention", (base,), {
         "forward": forward, "__module__": __name__, "__qualname__": "AtomMLAAttention",
         "__doc__": "vLLM's MLAAttention, called with atom's MLA arguments (forward(q, kv_c_normed, k_pe))."})
-
-
-    def fuse_qk_norm_rope(self, layer: nn.Module, q_norm: nn.Module, k_norm: nn.Module,
-                          rotary: nn.Module) -> bool:
-        """Hand ``layer``'s impl the model's QK-norm and RoPE (see ``atom.models.interfaces``):
-        True when the impl now applies them and writes the cache in one op inside ``forward``,
-        so the model must pass q/k un-normed and un-rotated. False (the model does both itself)
-        when the fusion is off or the layer's backend is not atom's (e.g.
-        ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1)."""
-        if not self.qk_norm_rope_fusion:
-            return False
-        enable = getattr(layer.impl, "enable_fused_qk_norm_rope", None)
-        if enable is None:
-            info_once("qk-fusion-backend", f"ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=1 ignored: attention "
-                      f"impl {type(layer.impl).__name__} is not atom's", logger)
-            return False
-        from atom.plugin.attention_mha import FusedQKNormRope
-
-        enable(FusedQKNormRope(q_norm=q_norm, k_norm=k_norm, rotary=rotary))
-        return True
 
 
 class _HeadMethod(UnquantizedEmbeddingMethod):
