@@ -4,7 +4,7 @@
 #   install  install the atom wheel carried in .stage/tools into /tmp/site (entry points visible)
 #   facts    bench/vllm_facts.py               -> $OUT/facts.txt
 #   demo     scripts/demo.py (atom on vs off)  -> $OUT/demo.txt
-#   tests    GPU-marked tests                  -> $OUT/gpu_tests.txt
+#   tests    GPU-marked tests (GPU_TESTS, default tests/) -> $OUT/gpu_tests.txt
 #   ops      bench/ops.py (ops_memory.py then ops_compute.py) -> $OUT/ops.txt, ops_*.json
 #   e2e      ../shared/gpu/bench_vllm_baseline.py (carried in .stage/tools) on its dense Qwen3
 #            (E2E_MODEL=tiny-qwen3moe for the MoE one), stock (ATOM_DISABLE_VLLM_PLUGIN=1) then
@@ -32,7 +32,7 @@ for step in "$@"; do
         install) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .stage/tools/atom_vllm-*.whl 2>&1 | tail -2 ;;
         facts) python3 bench/vllm_facts.py > "$OUT/facts.txt" 2>&1; tail -5 "$OUT/facts.txt" ;;
         demo) timeout 400 python3 scripts/demo.py --out /tmp/demo > "$OUT/demo.txt" 2>&1; tail -8 "$OUT/demo.txt" ;;
-        tests) timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt" ;;
+        tests) timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
         ops) timeout 560 python3 bench/ops.py --json-dir "$OUT" > "$OUT/ops.txt" 2>&1; tail -40 "$OUT/ops.txt" ;;
         e2e) mkdir -p "$OUT/e2e"; B=.stage/tools/bench_vllm_baseline.py
              python3 $B build --out /tmp/models > /dev/null 2>&1
