@@ -239,8 +239,9 @@ def _install_patch(entry: _Entry, module: Any, path: str) -> None:
         return
     if rec.signature is not None:
         actual = shape(current)
-        if actual != rec.signature:
-            _refuse(entry, f"signature of {rec.target} is {actual}, expected {rec.signature}")
+        accepted = (rec.signature,) if isinstance(rec.signature, str) else tuple(rec.signature)
+        if actual not in accepted:
+            _refuse(entry, f"signature of {rec.target} is {actual}, expected {' or '.join(accepted)}")
             return
     if rec.wrapper is not None:
         installed: Any = wrapt.FunctionWrapper(current, resolve(rec.wrapper))

@@ -69,8 +69,9 @@ class Patch(_Common):
     #: Other binding sites of the same object (``"module:attr"``): re-exports made with
     #: ``from x import f`` keep the old object unless they are patched too.
     aliases: tuple[str, ...] = ()
-    #: Expected shape of the original's signature, e.g. ``"(self, act_dtype)"``; ``None`` = unchecked.
-    signature: str | None = None
+    #: Expected shape of the original's signature, e.g. ``"(self, act_dtype)"`` (or a tuple of
+    #: shapes, one per vLLM release the wrapper was written for); ``None`` = unchecked.
+    signature: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -79,7 +79,8 @@ def listing(registry: Registry = REGISTRY) -> list[dict[str, str]]:
             row["how"] = "wrap" if rec.wrapper is not None else "replace"
             row["with"] = _callable_name(rec.wrapper or rec.replacement)
             row["members"] = rec.target.rpartition(".")[2] if "." in rec.target.partition(":")[2] else rec.target.partition(":")[2]
-            row["signature"] = rec.signature or ""
+            sig = rec.signature or ""
+            row["signature"] = sig if isinstance(sig, str) else " or ".join(sig)
             row["aliases"] = ", ".join(rec.aliases)
         else:
             assert isinstance(rec, Injection)

@@ -75,6 +75,17 @@ def register() -> Optional[str]:
     return None
 
 
+def _current_max_num_seqs() -> Optional[int]:
+    """``max_num_seqs`` of the vLLM config being built, or None outside vLLM's config context
+    (an impl built by hand, e.g. in tests: no workspace reservation then)."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        return int(get_current_vllm_config().scheduler_config.max_num_seqs)
+    except Exception:  # AssertionError on 0.26+ when no config is set; older releases return a default
+        return None
+
+
 def split_kv_workspace_bytes(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int,
                              device: torch.device) -> int:
     """Upper bound of the Triton split-KV decode partials for one call (``part_o`` fp32
@@ -264,6 +275,9 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         # Where vLLM does not call do_kv_cache_update itself (or the fused path owns the write),
         # forward writes the cache.
         self._write_cache_in_forward = ATOMAttentionBackend.forward_includes_kv_cache_update
+        # vLLM builds the impl inside its config context (Attention.__init__); forward may run
+        # outside it (compiled graphs, CUDA-graph capture), so the batch bound is read now.
+        self._workspace_seqs = _current_max_num_seqs()
 
     def enable_fused_qk_norm_rope(self, fused: FusedQKNormRope) -> None:
         """From now on the layer passes q/k before QK-norm and RoPE; ``forward`` applies both and
@@ -373,12 +387,9 @@ class VLLMMHAImplMethods:
         if attn_metadata is None:
             # vLLM's profiling run: no cache or metadata yet. Allocate the decode workspace's
             # upper bound once here so vLLM's peak-memory measurement counts it; return zeros.
-            if output.is_cuda:
-                from vllm.config import get_current_vllm_config
-
-                seqs = int(get_current_vllm_config().scheduler_config.max_num_seqs)
-                nbytes = split_kv_workspace_bytes(seqs, self.num_heads, self.num_kv_heads, self.head_size,
-                                                  output.device)
+            if output.is_cuda and self._workspace_seqs:
+                nbytes = split_kv_workspace_bytes(self._workspace_seqs, self.num_heads, self.num_kv_heads,
+                                                  self.head_size, output.device)
                 torch.empty(nbytes, dtype=torch.uint8, device=output.device)
             return output.fill_(0)
         md = attn_metadata

@@ -69,7 +69,8 @@ def test_records_cover_the_four_methods_of_the_issue():
 def test_signature_guard_matches_installed_vllm(rec):
     revert(rec)
     original = resolve(rec.target)
-    assert shape(original) == rec.signature
+    accepted = (rec.signature,) if isinstance(rec.signature, str) else rec.signature
+    assert shape(original) in accepted
     assert apply(rec).state is State.APPLIED
 
 

@@ -89,9 +89,13 @@ MLA_FORWARD_IMPL = register(Patch(
     target=f"{MLA_MODULE}:MLAAttention.forward_impl",
     wrapper=_forward_impl,
     vllm=SUPPORTED,
+    # 0.32 (q_dcp_replicated added) and 0.26 (measured on the H100); the wrapper takes both.
     signature=("(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, output_scale=..., "
                "output_block_scale=..., quant_group_size=..., quant_scale_ue8m0=..., "
-               "quant_col_major=..., quant_tma_aligned=..., q_dcp_replicated=...)"),
+               "quant_col_major=..., quant_tma_aligned=..., q_dcp_replicated=...)",
+               "(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output, output_scale=..., "
+               "output_block_scale=..., quant_group_size=..., quant_scale_ue8m0=..., "
+               "quant_col_major=..., quant_tma_aligned=...)"),
     reason="vLLM's MLA forward_impl drives vLLM's MLA impls (MLACommonMetadata, layer W_UK_T, "
            "prefill backend); atom's layers run atom's decode/prefill instead",
     upstream="no backend hook replaces MLAAttention.forward_impl (MLAAttention is not a CustomOp)",
