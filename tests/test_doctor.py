@@ -18,11 +18,18 @@ def clean_env(monkeypatch):
     for name in ("ATOM_DISABLE_VLLM_PLUGIN", "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION",
                  "ATOM_DISABLED_PATCHES", "ATOM_ALLOW_UNSUPPORTED_VLLM", "ATOM_OPS_BACKEND"):
         monkeypatch.delenv(name, raising=False)
-    yield
+    from atom.patches import apply, is_applied
     from atom.plugin.vllm.patches import VLLM_RECORDS
 
+    before = {rec.id for rec in VLLM_RECORDS if is_applied(rec)}
+    yield
+    # Leave the process as found: engines later in this process rely on vLLM's cached backend
+    # choice, which does not re-apply atom's decorators.
     for rec in VLLM_RECORDS:
-        revert(rec)
+        if rec.id in before:
+            apply(rec, enabled=True)
+        else:
+            revert(rec)
 
 
 def _run(capsys):
