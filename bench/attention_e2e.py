@@ -37,37 +37,52 @@ QWEN3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
 TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             intermediate_size=256, vocab_size=1024)
 VLLM_QWEN3 = "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"
+#: ``--arch deepseek``: DeepSeek-V3 attention (128-head MLA, q_lora 1536, kv_lora 512, rope 64)
+#: with dense MLPs only (every layer below first_k_dense_replace), so only MLA is compared.
+DEEPSEEK_V3 = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=8,
+                   num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                   num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                   qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=32000)
+TINY_DEEPSEEK = dict(DEEPSEEK_V3, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+                     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, qk_nope_head_dim=32,
+                     v_head_dim=32, vocab_size=1024)
+VLLM_MODELS = {"qwen3": ("Qwen3ForCausalLM", VLLM_QWEN3),
+               "deepseek": ("DeepseekV3ForCausalLM", "vllm.model_executor.models.deepseek_v2:DeepseekV3ForCausalLM")}
 AGREE_LENGTHS = (3, 17, 64, 129, 300, 511, 5, 90)  # mixed prompt lengths, one batch
 
 
 # ----------------------------------------------------------------------------- checkpoint
-def build_checkpoint(out: Path, dims: dict, layers: int, dtype: str) -> Path:
-    """A random Qwen3 checkpoint (config + safetensors; no tokenizer: prompts are token ids)."""
+def build_checkpoint(out: Path, dims: dict, layers: int, dtype: str, arch: str = "qwen3") -> Path:
+    """A random Qwen3 (or dense-MLP DeepSeek-V3) checkpoint (config + safetensors; no tokenizer:
+    prompts are token ids)."""
     if (out / "config.json").exists():
         return out
     import torch
     import transformers
 
-    cfg = transformers.Qwen3Config(num_hidden_layers=layers, max_position_embeddings=4096,
-                                   tie_word_embeddings=False, torch_dtype=dtype, rms_norm_eps=1e-6,
-                                   bos_token_id=0, eos_token_id=1, **dims)
+    common = dict(num_hidden_layers=layers, max_position_embeddings=4096, tie_word_embeddings=False,
+                  torch_dtype=dtype, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+    if arch == "deepseek":
+        cfg = transformers.DeepseekV3Config(first_k_dense_replace=layers, **common, **dims)
+    else:
+        cfg = transformers.Qwen3Config(**common, **dims)
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, dtype))
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     return out
 
 
 # ----------------------------------------------------------------------------- one engine
-def _use_vllm_qwen3() -> None:
-    """Load vLLM's plugins now (atom registers its Qwen3 override), then put vLLM's own Qwen3
-    class back: the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
-    later plugin load is a no-op and vLLM's model is built."""
+def _use_vllm_model(arch: str) -> None:
+    """Load vLLM's plugins now (atom registers its model overrides), then put vLLM's own class
+    for ``arch`` back: the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so
+    the later plugin load is a no-op and vLLM's model is built."""
     from vllm import ModelRegistry
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    ModelRegistry.register_model("Qwen3ForCausalLM", VLLM_QWEN3)
+    ModelRegistry.register_model(*VLLM_MODELS[arch])
 
 
 def _rows(outputs: Any) -> list[dict]:
@@ -84,7 +99,7 @@ def worker(args: argparse.Namespace) -> dict:
     if args.backend == "default":
         os.environ["ATOM_DISABLE_VLLM_PLUGIN_ATTENTION"] = "1"
     if not args.atom_model:
-        _use_vllm_qwen3()
+        _use_vllm_model(args.arch)
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -182,7 +197,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
-    p.add_argument("--atom-model", action="store_true", help="keep atom's Qwen3 model (default: vLLM's)")
+    p.add_argument("--atom-model", action="store_true", help="keep atom's model (default: vLLM's)")
+    p.add_argument("--arch", choices=sorted(VLLM_MODELS), default="qwen3",
+                   help="qwen3: MHA (Qwen3-8B dims); deepseek: MLA (DeepSeek-V3 attention, dense MLPs)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     # worker-only
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -197,22 +214,25 @@ def main(argv: list[str]) -> int:
         Path(args.out).write_text(json.dumps(res))
         return 0
 
-    dims, dtype = (TINY, "float32") if args.smoke else (QWEN3_8B, "bfloat16")
+    if args.arch == "deepseek":
+        dims, dtype = (TINY_DEEPSEEK, "float32") if args.smoke else (DEEPSEEK_V3, "bfloat16")
+    else:
+        dims, dtype = (TINY, "float32") if args.smoke else (QWEN3_8B, "bfloat16")
     modes = ["eager"] if args.smoke else args.modes.split(",")
     if args.smoke:
         args.layers = min(args.layers, 2)
         args.prompts, args.prompt_len, args.new_tokens, args.reps = 4, 16, 8, 1
         args.agree_tokens, args.max_model_len = 8, 640
     work = Path(tempfile.mkdtemp(prefix="attn_e2e_"))
-    model = Path(args.model) if args.model else work / f"qwen3-{'tiny' if args.smoke else '8b-dims'}-{args.layers}l"
+    model = Path(args.model) if args.model else work / f"{args.arch}-{'tiny' if args.smoke else 'dims'}-{args.layers}l"
     t0 = time.perf_counter()
-    build_checkpoint(model, dims, args.layers, dtype)
+    build_checkpoint(model, dims, args.layers, dtype, args.arch)
     print(f"[attn-e2e] checkpoint {model} ({time.perf_counter() - t0:.0f}s)", flush=True)
 
     env = dict(os.environ)
     if args.smoke:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    results: dict[str, Any] = {"model": str(model), "dims": dims, "layers": args.layers, "dtype": dtype,
+    results: dict[str, Any] = {"arch": args.arch, "model": str(model), "dims": dims, "layers": args.layers, "dtype": dtype,
                                "prompts": args.prompts, "prompt_len": args.prompt_len,
                                "new_tokens": args.new_tokens, "runs": {}, "compare": {}}
     for mode in modes:
@@ -225,6 +245,7 @@ def main(argv: list[str]) -> int:
                    "--agree-tokens", str(args.agree_tokens), "--reps", str(args.reps),
                    "--max-model-len", str(args.max_model_len),
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            cmd += ["--arch", args.arch]
             if args.atom_model:
                 cmd.append("--atom-model")
             t0 = time.perf_counter()

@@ -12,7 +12,8 @@
 #   attn     bench/attention_e2e.py: vLLM's own Qwen3 (Qwen3-8B dims, 4 layers, bf16) on atom's
 #            MHA backend vs vLLM's default, cudagraph_mode PIECEWISE and FULL_AND_PIECEWISE
 #            (token agreement, logprob diff, decode tok/s, batch-1 ms/token) -> $OUT/attn_e2e_*.json
-#            (ATTN_MODES=PIECEWISE / =FULL_AND_PIECEWISE splits it over two calls if 10 min is tight;
+#            (ATTN_ARCH=deepseek: vLLM's DeepSeek-V3 attention dims, dense MLPs, on atom's MLA backend
+#            vs vLLM's default MLA backend; ATTN_MODES=PIECEWISE / =FULL_AND_PIECEWISE splits it over two calls if 10 min is tight;
 #            the checkpoint is built once under /tmp/models)
 #   e2e2     bench/e2e.py (realistic dims, random weights; stock and atom engines in one call)
 #            -> $OUT/e2e2/e2e.json, e2e.txt (markdown table at the end), work/ (per-side logs).
@@ -42,9 +43,9 @@ for step in "$@"; do
                  timeout 280 python3 $B run --model /tmp/models/$m --json "$OUT/e2e/${m}_$side.json" > "$OUT/e2e/${m}_$side.log" 2>&1
                  grep -E "atom\]|tok/s|ms/token|Error" "$OUT/e2e/${m}_$side.log" | tail -8
              done; unset ATOM_DISABLE_VLLM_PLUGIN ;;
-        attn) m="${ATTN_MODES:-PIECEWISE,FULL_AND_PIECEWISE}"; tag="${m//,/_}"
-              timeout 590 python3 bench/attention_e2e.py --layers "${ATTN_LAYERS:-4}" --modes "$m" --timeout 280 \
-                  --model "/tmp/models/attn-qwen3-${ATTN_LAYERS:-4}l" --out "$OUT/attn_e2e_$tag.json" \
+        attn) m="${ATTN_MODES:-PIECEWISE,FULL_AND_PIECEWISE}"; arch="${ATTN_ARCH:-qwen3}"; tag="${arch}_${m//,/_}"
+              timeout 590 python3 bench/attention_e2e.py --arch "$arch" --layers "${ATTN_LAYERS:-4}" --modes "$m" --timeout 280 \
+                  --model "/tmp/models/attn-$arch-${ATTN_LAYERS:-4}l" --out "$OUT/attn_e2e_$tag.json" \
                   > "$OUT/attn_e2e_$tag.txt" 2>&1; grep "attn-e2e" "$OUT/attn_e2e_$tag.txt" | tail -12 ;;
         e2e2) mkdir -p "$OUT/e2e2"
               timeout 580 python3 bench/e2e.py ${E2E_ARGS:---models dense --lengths 128/128 --concurrency 1,32,256} \
