@@ -21,10 +21,14 @@ def clean_env(monkeypatch):
     from atom.patches import apply, is_applied
     from atom.plugin.vllm.patches import VLLM_RECORDS
 
+    # Each test starts with every record reverted (doctor's report then reflects its own checks)
+    # and leaves the process as found: engines later in this process rely on vLLM's cached
+    # backend choice, which does not re-apply atom's decorators.
     before = {rec.id for rec in VLLM_RECORDS if is_applied(rec)}
+    for rec in VLLM_RECORDS:
+        revert(rec)
     yield
-    # Leave the process as found: engines later in this process rely on vLLM's cached backend
-    # choice, which does not re-apply atom's decorators.
+    monkeypatch.undo()  # the test's fakes (e.g. an old vLLM version) must not judge the restore
     for rec in VLLM_RECORDS:
         if rec.id in before:
             apply(rec, enabled=True)
