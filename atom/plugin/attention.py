@@ -211,12 +211,16 @@ class VLLMBuilderMethods:
 
 
 def unsupported_reasons(backend: type, attn_selector_config: Any, device_capability: Any = None) -> list[str]:
-    """``validate_configuration`` of ``backend`` for one ``AttentionSelectorConfig`` (NamedTuple)."""
+    """``validate_configuration`` of ``backend`` for one ``AttentionSelectorConfig`` (NamedTuple),
+    plus the backend's ``layer_reasons()`` when it declares them."""
     fields = dict(attn_selector_config._asdict())
     for name in _FLAG_FIELDS:
         fields.setdefault(name, False)
     fields.setdefault("attn_type", AttentionType.DECODER)
-    return backend.validate_configuration(device_capability=device_capability, **fields)
+    reasons = backend.validate_configuration(device_capability=device_capability, **fields)
+    # What a backend can only check against the model (e.g. MLA's rope split), if it has any.
+    layer_reasons = getattr(backend, "layer_reasons", None)
+    return reasons + (layer_reasons() if layer_reasons is not None else [])
 
 
 def apply_decorators(kind: str) -> Optional[str]:

@@ -37,7 +37,6 @@ The plugin-mode ``forward`` and ``process_weights_after_loading`` are not define
 from __future__ import annotations
 
 import importlib
-import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
 
@@ -45,6 +44,7 @@ import torch
 
 from atom._logging import get_logger
 from atom.patches import Injection, PatchError, apply, is_applied, status
+from atom.plugin.attention import VLLMBackendMethods
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -66,14 +66,6 @@ BACKEND_QUALNAME = "atom.plugin.attention_mla.ATOMMLABackend"
 ROPE_DIM = 64
 #: The decode kernel keeps a ``next_pow2(kv_lora_rank)`` tile of the latent in registers.
 MAX_KV_LORA_RANK = 512
-
-# Every AttentionSelectorConfig field either release passes to validate_configuration.
-_FLAG_FIELDS = (
-    "use_mla", "has_sink", "use_sparse", "use_mm_prefix", "use_per_head_quant_scales",
-    "has_sliding_window", "use_non_causal", "use_batch_invariant", "use_kv_connector",
-    "use_pcp", "use_adaptive_verification", "use_dcp", "use_rswa",
-)
-
 
 def register() -> Optional[str]:
     """Register ``AttentionBackendEnum.ATOM_MLA`` -> this backend (idempotent); the reason when
@@ -165,71 +157,16 @@ class ATOMMLABackend(AttentionBackend):
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
         return False
 
-    @classmethod
-    def supports_combination(
-        cls,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: Optional[str],
-        block_size: Optional[int],
-        use_mla: bool,
-        has_sink: bool,
-        use_sparse: bool,
-        use_mm_prefix: bool,
-        device_capability: Any,
-    ) -> Optional[str]:
-        if kv_cache_dtype in ("float16", "bfloat16") and getattr(torch, kv_cache_dtype) != dtype:
-            return f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {dtype}"
-        return None
+    # vLLM's selector checks, shared with the MHA backend (its backend decorator's source).
+    supports_combination = VLLMBackendMethods.__dict__["supports_combination"]
+    validate_configuration = VLLMBackendMethods.__dict__["validate_configuration"]
 
     @classmethod
-    def validate_configuration(
-        cls,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: Optional[str],
-        block_size: Optional[int],
-        use_mla: bool,
-        has_sink: bool,
-        use_sparse: bool,
-        use_mm_prefix: bool,
-        use_per_head_quant_scales: bool,
-        device_capability: Any,
-        attn_type: str,
-        has_sliding_window: bool = False,
-        use_non_causal: bool = False,
-        use_batch_invariant: bool = False,
-        use_kv_connector: bool = False,
-        use_pcp: bool = False,
-        use_adaptive_verification: bool = False,
-        use_dcp: bool = False,
-        use_rswa: bool = False,
-        **newer_fields: Any,
-    ) -> list[str]:
-        """vLLM's checks (its base method, given the fields it knows) plus a refusal of any
-        selector flag the installed base does not check: a feature atom has never seen is not
-        assumed to work."""
-        given = {k: v for k, v in locals().items() if k not in ("cls", "newer_fields", "__class__")}
-        base = super().validate_configuration
-        accepted = inspect.signature(base).parameters
-        reasons = base(**{k: v for k, v in given.items() if k in accepted})
-        unchecked = {**{k: v for k, v in given.items() if k not in accepted}, **newer_fields}
-        reasons += [f"{k}={v!r} is not supported by atom's MLA" for k, v in unchecked.items() if v]
-        return reasons
-
-    @classmethod
-    def unsupported_reasons(cls, attn_selector_config: Any, device_capability: Any = None) -> list[str]:
-        """``validate_configuration`` for one ``AttentionSelectorConfig`` plus the layer geometry
-        the selector does not carry (rank and rope split, read from the model config)."""
-        fields = dict(attn_selector_config._asdict())
-        for name in _FLAG_FIELDS:
-            fields.setdefault(name, False)
-        fields.setdefault("attn_type", AttentionType.DECODER)
-        reasons = cls.validate_configuration(device_capability=device_capability, **fields)
+    def layer_reasons(cls) -> list[str]:
+        """The layer geometry the selector does not carry (rank and rope split, read from the
+        model config); ``atom.plugin.attention.unsupported_reasons`` adds these."""
         dims = _model_mla_dims()
-        if dims is not None:
-            reasons += _mla_geometry_reasons(*dims)
-        return reasons
+        return _mla_geometry_reasons(*dims) if dims is not None else []
 
 
 def _model_mla_dims() -> Optional[tuple[int, int]]:

@@ -120,7 +120,9 @@ def test_model_geometry_the_selector_cannot_see(vllm_config, monkeypatch):
     from atom.plugin import attention_mla
 
     monkeypatch.setattr(attention_mla, "_model_mla_dims", lambda: (512, 32))
-    reasons = ATOMMLABackend.unsupported_reasons(_selector(head_size=544))
+    from atom.plugin.attention import unsupported_reasons
+
+    reasons = unsupported_reasons(ATOMMLABackend, _selector(head_size=544))  # what selection runs
     assert reasons == ["qk_rope_head_dim 32 (atom's MLA needs 64)"]
 
 
