@@ -205,7 +205,7 @@ class DeepseekV3Router(nn.Module):
       :func:`atom.ops.topk_softmax`, renormalised when ``norm_topk_prob``.
     """
 
-    def __init__(self, hf_config: Any, num_experts: int, dtype: Optional[torch.dtype]) -> None:
+    def __init__(self, hf_config: Any, num_experts: int) -> None:
         super().__init__()
         self.top_k = int(hf_config.num_experts_per_tok)
         self.num_groups = int(getattr(hf_config, "n_group", None) or 1)
@@ -213,7 +213,10 @@ class DeepseekV3Router(nn.Module):
         self.routed_scaling_factor = float(getattr(hf_config, "routed_scaling_factor", None) or 1.0)
         self.sigmoid = routing_of(hf_config)[0] == "sigmoid"
         self.renormalize = bool(getattr(hf_config, "norm_topk_prob", self.sigmoid))
-        self.weight = nn.Parameter(torch.empty(num_experts, hf_config.hidden_size, dtype=dtype), requires_grad=False)
+        # fp32 like atom.models._moe.GroupedTopkRouter: HF computes router logits in fp32, and a
+        # weight held so is not re-cast every step (the checkpoint's values load exactly).
+        self.weight = nn.Parameter(torch.empty(num_experts, hf_config.hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
         if self.sigmoid:
             # fp32 in every checkpoint dtype (HF and vLLM keep it so; the sigmoid scores it
             # shifts are compared across experts, where bf16 rounding would flip choices).
@@ -227,8 +230,7 @@ class DeepseekV3Router(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # HF computes the router logits in fp32.
-        logits = F.linear(hidden_states.float(), self.weight.float())
+        logits = F.linear(hidden_states.float(), self.weight)
         if self.sigmoid:
             return ops.grouped_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k, self.num_groups,
                                             self.topk_groups, self.routed_scaling_factor, self.renormalize)
@@ -243,7 +245,7 @@ class DeepseekV3MoE(nn.Module):
                  dtype: Optional[torch.dtype]) -> None:
         super().__init__()
         n = num_routed_experts(hf_config)
-        self.gate = DeepseekV3Router(hf_config, n, dtype)
+        self.gate = DeepseekV3Router(hf_config, n)
         # The router returns final weights; FusedMoE's own (softmax) routing is not used.
         self.experts = FusedMoE(
             n, int(hf_config.num_experts_per_tok), hf_config.hidden_size, hf_config.moe_intermediate_size,
