@@ -20,6 +20,8 @@
 #            Cells from E2E_ARGS (default: --models dense --lengths 128/128 --concurrency 1,32,256);
 #            E2E_BUDGET seconds (default 520) stops starting new cells. Checkpoints are cached in
 #            /tmp/atom-e2e-models on the machine (first build: ~0.5-2 min per model).
+#   agree    bench/agreement.py (AGREE_ARGS; default the dense model, stock fp32 as the reference,
+#            stock/atom in fp32, bf16 eager and bf16 with CUDA graphs) -> $OUT/agree/agree.json, .txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 # Results land under $OUT, which the device tool brings back.
@@ -52,6 +54,10 @@ for step in "$@"; do
                   --budget "${E2E_BUDGET:-520}" --out "$OUT/e2e2/e2e.json" --workdir "$OUT/e2e2/work" \
                   > "$OUT/e2e2/e2e.txt" 2>&1
               grep -E "^\[e2e|^\||^- |elapsed" "$OUT/e2e2/e2e.txt" | tail -60 ;;
+        agree) mkdir -p "$OUT/agree"
+              timeout 590 python3 bench/agreement.py ${AGREE_ARGS:---model-kind dense} --budget "${AGREE_BUDGET:-500}" \
+                  --out "$OUT/agree/agree.json" --workdir /tmp/agree-work > "$OUT/agree/agree.txt" 2>&1
+              cp /tmp/agree-work/*.log /tmp/agree-work/*.json "$OUT/agree/" 2>/dev/null; tail -40 "$OUT/agree/agree.txt" ;;
         profile) mkdir -p "$OUT/profile"
               timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \
                   --json "$OUT/profile/profile.json" > "$OUT/profile/profile.txt" 2>&1
