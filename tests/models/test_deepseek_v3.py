@@ -9,10 +9,6 @@ expert; MLA with q-LoRA).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,8 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import REPO
-from tests.models import _engine_runner as runner
 from tests.models._harness import (
     ThreadGroup,
     assert_close_greedy_run,
@@ -30,6 +24,7 @@ from tests.models._harness import (
     full_logits,
     mixed_prompts,
     run_ranks,
+    run_tp2_engine,
     widen_init,
 )
 
@@ -116,23 +111,8 @@ def test_multiprocess_tp2_expert_parallel_tokens_equal_stock_vllm(checkpoint, pr
     """Two real vLLM worker processes (TP=2 with enable_expert_parallel: each rank holds 2 of the
     4 heads, so vLLM's MLA layer absorbs its half of kv_b_proj, and 4 of the 8 experts) give
     stock single-rank vLLM's fp32 tokens and logprobs."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs 2 CPUs for 2 vLLM CPU workers")
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    env = {**os.environ, **runner.ENGINE_ENV,
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
-    engine = json.dumps({**engine_kwargs, "tensor_parallel_size": 2, "enable_expert_parallel": True})
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.models._engine_runner", str(checkpoint), str(tmp_path / "prompts.json"),
-         str(tmp_path / "out.json"), "--engine", engine, "float32"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for rank in range(2):
-        assert f"built atom.models.deepseek_v3:DeepseekV3ForCausalLM (ATOMMoEForCausalLM) for " \
-               f"DeepseekV3ForCausalLM, tp rank {rank} of 2" in proc.stderr + proc.stdout
-    (ours,) = json.loads((tmp_path / "out.json").read_text())
+    ours = run_tp2_engine(checkpoint, prompts, tmp_path, {**engine_kwargs, "enable_expert_parallel": True},
+                          "atom.models.deepseek_v3:DeepseekV3ForCausalLM", "ATOMMoEForCausalLM", "DeepseekV3ForCausalLM")
     assert_same_greedy_run(ours, stock_runs["float32"], FP32_LOGPROB_ATOL)
 
 

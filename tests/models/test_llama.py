@@ -22,6 +22,7 @@ from tests.models._harness import (
     greedy_run_stats,
     mixed_prompts,
     run_ranks,
+    run_tp2_engine,
     tiny_hf_model,
 )
 
@@ -78,6 +79,15 @@ def test_bf16_logprobs_close_to_stock_vllm(atom_runs, stock_runs):
     print("bf16 vs fp32, stock:", greedy_run_stats(stock_runs["bfloat16"], stock_runs["float32"]),
           "atom:", greedy_run_stats(atom_runs["bfloat16"], atom_runs["float32"]))
     assert_close_greedy_run(atom_runs["bfloat16"], stock_runs["bfloat16"], BF16_LOGPROB_ATOL)
+
+
+def test_multiprocess_tp2_tokens_equal_stock_vllm(checkpoint, prompts, stock_runs, tmp_path):
+    """Two real vLLM worker processes with TP=2 (each rank: 2 of the 4 query heads, 1 of the 2 KV
+    heads, half of the MLP, q/k/v and gate/up biases sliced alike, o_proj/down_proj biases added
+    once) give stock single-rank vLLM's fp32 tokens and logprobs."""
+    ours = run_tp2_engine(checkpoint, prompts, tmp_path, {},
+                          "atom.models.llama:LlamaForCausalLM", "ATOMForCausalLM", "LlamaForCausalLM")
+    assert_same_greedy_run(ours, stock_runs["float32"], FP32_LOGPROB_ATOL)
 
 
 # -- atom's model alone (no vLLM) -------------------------------------------------------------------

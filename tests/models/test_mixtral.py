@@ -22,6 +22,7 @@ from tests.models._harness import (
     greedy_run_stats,
     mixed_prompts,
     run_ranks,
+    run_tp2_engine,
     tiny_hf_model,
 )
 
@@ -89,6 +90,15 @@ def test_bf16_logprobs_close_to_stock_vllm(atom_runs, stock_runs):
     assert_close_greedy_run(atom_runs["bfloat16"], stock_runs["bfloat16"], BF16_LOGPROB_ATOL,
                             prompt_atol=BF16_PROMPT_MAX_ATOL, prompt_mean_atol=BF16_PROMPT_MEAN_ATOL,
                             min_agreeing=BF16_MIN_AGREEING)
+
+
+def test_multiprocess_tp2_expert_parallel_tokens_equal_stock_vllm(checkpoint, prompts, stock_runs, tmp_path):
+    """Two real vLLM worker processes with TP=2 and enable_expert_parallel (each rank: half of the
+    attention heads and 4 of the 8 experts, reduced over vLLM's EP group) give stock single-rank
+    vLLM's fp32 tokens and logprobs."""
+    ours = run_tp2_engine(checkpoint, prompts, tmp_path, {"enable_expert_parallel": True},
+                          "atom.models.mixtral:MixtralForCausalLM", "ATOMMoEForCausalLM", "MixtralForCausalLM")
+    assert_same_greedy_run(ours, stock_runs["float32"], FP32_LOGPROB_ATOL)
 
 
 # -- atom's model alone (no vLLM) -------------------------------------------------------------------
