@@ -22,7 +22,7 @@ from 256 to ``--mla-experts`` so that a layer fits a quick build; first layer de
 Layers: ``--layers`` (default 4 / 4 / 2). Vocabulary ``--vocab`` (default 32000) with a BPE
 tokenizer trained offline. Checkpoints are cached under ``--model-dir``.
 
-    python bench/e2e.py --models dense --lengths 128/128 --concurrency 1,32,256 --out e2e.json
+    python bench/e2e.py --models dense --lengths 128/128 --concurrency 1,32,256 --cell-seconds 30 --out e2e.json
     python bench/e2e.py --models moe --lengths 1024/1024 --concurrency 32 --skip-agreement
     python bench/e2e.py --models dense --serve --skip-offline --concurrency 1,32
     python bench/e2e.py --smoke --out /tmp/smoke.json       # CPU: tiny models, fp32, eager
@@ -227,19 +227,24 @@ def offline_child(spec: dict) -> dict:
                 llm.generate(prompts_for(rng, conc, in_len, vocab), sp, use_tqdm=False)
                 warm.append(round(time.perf_counter() - t1, 3))
             runs = []
-            for _ in range(spec["reps"]):
+            timed = 0.0
+            # At least ``reps`` timed runs, and more until they add up to ``cell_s`` seconds, so
+            # a short cell is not one noisy sample (capped at 200 runs).
+            while len(runs) < spec["reps"] or (timed < spec.get("cell_s", 0) and len(runs) < 200):
                 batch = prompts_for(rng, conc, in_len, vocab)
                 t1 = time.perf_counter()
                 outs = llm.generate(batch, sp, use_tqdm=False)
                 dt = time.perf_counter() - t1
                 n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+                timed += dt
                 runs.append({"wall_s": round(dt, 4), "out_tokens": n_out, "out_tok_s": round(n_out / dt, 1)})
             tps = sorted(r["out_tok_s"] for r in runs)
             cell = {"in": in_len, "out": out_len, "conc": conc, "warmup_s": warm, "runs": runs,
-                    "out_tok_s": tps[len(tps) // 2], "cell_s": round(time.perf_counter() - tc, 1)}
+                    "out_tok_s": tps[len(tps) // 2], "min_tok_s": tps[0], "max_tok_s": tps[-1],
+                    "timed_s": round(timed, 1), "cell_s": round(time.perf_counter() - tc, 1)}
             cells.append(cell)
-            log(f"{spec['side']}: {in_len}/{out_len} c={conc}: {cell['out_tok_s']:.1f} out tok/s "
-                f"(runs {tps}) in {cell['cell_s']} s")
+            log(f"{spec['side']}: {in_len}/{out_len} c={conc}: {cell['out_tok_s']:.1f} out tok/s (median of "
+                f"{len(tps)} runs, {tps[0]:.1f}-{tps[-1]:.1f}) in {cell['cell_s']} s")
     res["cells"] = cells
     n_agree = spec["agree_prompts"]
     if n_agree and time.perf_counter() - t_start < spec["budget_s"]:
@@ -389,8 +394,8 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def summarize(result: dict) -> str:
-    lines = ["| model | in/out | conc | stock out tok/s | atom out tok/s | atom/stock | s per cell (stock, atom) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | in/out | conc | stock out tok/s | atom out tok/s | atom/stock | timed runs (stock, atom) | "
+             "stock range | atom range |", "|---|---|---|---|---|---|---|---|---|"]
     serve_lines = ["| model | in/out | conc | stock TTFT ms | atom TTFT ms | stock TPOT ms | atom TPOT ms | "
                    "TPOT atom/stock |", "|---|---|---|---|---|---|---|---|"]
     notes = []
@@ -398,7 +403,9 @@ def summarize(result: dict) -> str:
         for cell in m.get("cells", []):
             lines.append(f"| {name} | {cell['in']}/{cell['out']} | {cell['conc']} | {fmt(cell.get('stock'))} | "
                          f"{fmt(cell.get('atom'))} | **{fmt(cell.get('ratio'), 2)}x** | "
-                         f"{fmt(cell.get('stock_s'))}, {fmt(cell.get('atom_s'))} |")
+                         f"{cell.get('stock_runs', '-')}, {cell.get('atom_runs', '-')} | "
+                         f"{'-'.join(fmt(v) for v in cell.get('stock_range') or [None])} | "
+                         f"{'-'.join(fmt(v) for v in cell.get('atom_range') or [None])} |")
         for cell in m.get("serve", []):
             s, a = cell.get("stock") or {}, cell.get("atom") or {}
             serve_lines.append(
@@ -452,6 +459,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sides", default="stock,atom")
     ap.add_argument("--reps", type=int, default=None, help="timed runs per cell (default 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed runs per cell (default 1)")
+    ap.add_argument("--cell-seconds", type=float, default=0.0,
+                    help="keep adding timed runs until a cell has this many seconds of them (GPU: 30)")
     ap.add_argument("--dtype", default=None, help="default bfloat16 (--smoke: float32)")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs, no compile)")
     ap.add_argument("--llm-kwargs", default="", help="JSON dict added to LLM(...) on both sides")
@@ -551,6 +560,7 @@ def main(argv: list[str]) -> int:
             spec = {"llm_kwargs": llm_kwargs, "vocab": info["vocab"],
                     "lengths": [] if args.skip_offline else args.lengths,
                     "concurrency": args.concurrency, "reps": args.reps, "warmup": args.warmup,
+                    "cell_s": args.cell_seconds,
                     "agree_prompts": args.agree_prompts, "agree_lengths": args.agree_lengths}
             m["offline"] = {}
             for side in args.sides:
@@ -571,7 +581,10 @@ def main(argv: list[str]) -> int:
                     s, a = by_side["stock"].get(key, {}), by_side["atom"].get(key, {})
                     cells.append({"in": in_len, "out": out_len, "conc": conc, "stock": s.get("out_tok_s"),
                                   "atom": a.get("out_tok_s"), "ratio": ratio(a.get("out_tok_s"), s.get("out_tok_s")),
-                                  "stock_s": s.get("cell_s"), "atom_s": a.get("cell_s")})
+                                  "stock_s": s.get("cell_s"), "atom_s": a.get("cell_s"),
+                                  "stock_runs": len(s.get("runs", [])), "atom_runs": len(a.get("runs", [])),
+                                  "stock_range": [s.get("min_tok_s"), s.get("max_tok_s")],
+                                  "atom_range": [a.get("min_tok_s"), a.get("max_tok_s")]})
             m["cells"] = cells
             toks = {s: (off.get(s) or {}).get("agreement_tokens") for s in SIDES}
             if toks["stock"] and toks["atom"]:

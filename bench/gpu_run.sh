@@ -50,7 +50,7 @@ for step in "$@"; do
                   --model "/tmp/models/attn-$arch-${ATTN_LAYERS:-4}l" --out "$OUT/attn_e2e_$tag.json" \
                   > "$OUT/attn_e2e_$tag.txt" 2>&1; grep "attn-e2e" "$OUT/attn_e2e_$tag.txt" | tail -12 ;;
         e2e2) mkdir -p "$OUT/e2e2"
-              timeout 580 python3 bench/e2e.py ${E2E_ARGS:---models dense --lengths 128/128 --concurrency 1,32,256} \
+              timeout 580 python3 bench/e2e.py ${E2E_ARGS:---models dense --lengths 128/128 --concurrency 1,32,256} --cell-seconds "${E2E_CELL_S:-30}" \
                   --budget "${E2E_BUDGET:-520}" --out "$OUT/e2e2/e2e.json" --workdir "$OUT/e2e2/work" \
                   > "$OUT/e2e2/e2e.txt" 2>&1
               grep -E "^\[e2e|^\||^- |elapsed" "$OUT/e2e2/e2e.txt" | tail -60 ;;
