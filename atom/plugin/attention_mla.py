@@ -52,7 +52,6 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
     MLAAttentionImpl,
-    MultipleOf,
 )
 
 logger = get_logger("atom.plugin")
@@ -96,77 +95,6 @@ def _mla_geometry_reasons(kv_lora_rank: int, qk_rope_head_dim: int) -> list[str]
         reasons.append(f"kv_lora_rank {kv_lora_rank} (atom's MLA takes multiples of 16 up to "
                        f"{MAX_KV_LORA_RANK})")
     return reasons
-
-
-class ATOMMLABackend(AttentionBackend):
-    """Latent-cache MLA for dense (non-sparse) DeepSeek-style decoder layers."""
-
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # No fp8 latent cache yet: the kernels take a kv_scale, but vLLM's _k_scale plumbing
-    # (calibration, checkpoint scales) is not wired or tested.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
-
-    @staticmethod
-    def get_name() -> str:
-        return BACKEND_NAME
-
-    @staticmethod
-    def get_impl_cls() -> type["ATOMMLAImpl"]:
-        return ATOMMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type["ATOMMLAMetadataBuilder"]:
-        return ATOMMLAMetadataBuilder
-
-    @classmethod
-    def is_mla(cls) -> bool:
-        return True
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Union[int, MultipleOf]]:
-        # The kernels take any page size; vLLM-CPU forces 16 for MLA, GPUs use 16 or more.
-        return [MultipleOf(16)]
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        """vLLM <= 0.28 allocates this per layer: one latent row per token (``num_kv_heads`` is
-        1 for MLA). From 0.29 vLLM allocates ``[B, 1, N, C]`` itself and the layer squeezes it."""
-        if block_size % 16 != 0:
-            raise ValueError(f"atom's MLA needs a block size that is a multiple of 16, got {block_size}")
-        return (num_blocks, block_size, head_size)
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return []  # kv_lora_rank + 64 for every supported rank, see supports_head_size
-
-    @classmethod
-    def supports_head_size(cls, head_size: int) -> bool:
-        return not _mla_geometry_reasons(head_size - ROPE_DIM, ROPE_DIM)
-
-    @classmethod
-    def supports_kv_connector(cls) -> bool:
-        return False  # never exercised with a KV connector
-
-    @classmethod
-    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
-        return False
-
-    # vLLM's selector checks, shared with the MHA backend (its backend decorator's source).
-    supports_combination = VLLMBackendMethods.__dict__["supports_combination"]
-    validate_configuration = VLLMBackendMethods.__dict__["validate_configuration"]
-
-    @classmethod
-    def layer_reasons(cls) -> list[str]:
-        """The layer geometry the selector does not carry (rank and rope split, read from the
-        model config); ``atom.plugin.attention.unsupported_reasons`` adds these."""
-        dims = _model_mla_dims()
-        return _mla_geometry_reasons(*dims) if dims is not None else []
 
 
 def _model_mla_dims() -> Optional[tuple[int, int]]:
@@ -218,7 +146,10 @@ class ATOMMLAMetadata:
 
 
 class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
-    """Turns vLLM's ``CommonAttentionMetadata`` into :class:`ATOMMLAMetadata`.
+    """Turns vLLM's ``CommonAttentionMetadata`` into :class:`ATOMMLAMetadata`
+    (``build`` / ``build_for_cudagraph_capture`` / ``build_for_drafting`` are injected by the
+    shared builder decorator, record ``vllm.attention.mla_builder``, and call
+    :meth:`build_metadata`).
 
     ``reorder_batch_threshold = 1``: vLLM's runner puts single-token decode rows first, so the
     split is two boundaries read from host tensors.
@@ -246,15 +177,20 @@ class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
         )
         return cls._cudagraph_support if graph_safe else AttentionCGSupport.NEVER
 
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> ATOMMLAMetadata:
+    def build_metadata(self, m: CommonAttentionMetadata, for_capture: bool = False,
+                       fast: bool = False) -> ATOMMLAMetadata:
+        """atom's split metadata from vLLM's ``CommonAttentionMetadata`` (host ints, device
+        tensors).
+
+        ``for_capture`` (``build_for_cudagraph_capture``): decode-only batches, with
+        ``max_seq_len`` raised to ``max_model_len``: the decode kernel fixes its KV split count
+        from it at capture, and the graph is replayed for every context length up to the
+        model's limit."""
         from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-        m = common_attn_metadata
+        if for_capture and m.max_query_len > 1:
+            raise ValueError("atom's MLA captures full CUDA graphs of single-token decode batches only "
+                             f"(max_query_len {m.max_query_len})")
         if isinstance(m.causal, torch.Tensor) or not m.causal:
             raise NotImplementedError("atom's MLA backend serves causal decoder attention only")
         num_decodes, num_rest, num_decode_tokens, num_rest_tokens = split_decodes_and_prefills(
@@ -264,11 +200,14 @@ class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
         if num_rest:
             prefill_qsl = m.query_start_loc[num_decodes:] - num_decode_tokens
         max_context_len = _max_context_len(m, num_decodes) if num_extends else 0
+        max_seq_len = int(m.max_seq_len)
+        if for_capture:
+            max_seq_len = max(max_seq_len, int(self.vllm_config.model_config.max_model_len))
         return ATOMMLAMetadata(
             num_actual_tokens=m.num_actual_tokens,
             num_reqs=m.num_reqs,
             max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len,
+            max_seq_len=max_seq_len,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
@@ -281,18 +220,6 @@ class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
             prefill_query_start_loc=prefill_qsl,
             max_context_len=max_context_len,
         )
-
-    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> ATOMMLAMetadata:
-        """As ``build`` for a decode-only batch, with ``max_seq_len`` raised to
-        ``max_model_len``: the decode kernel fixes its KV split count from it at capture, and
-        the graph is replayed for every context length up to the model's limit."""
-        m = common_attn_metadata
-        if m.max_query_len > 1:
-            raise ValueError("atom's MLA captures full CUDA graphs of single-token decode batches only "
-                             f"(max_query_len {m.max_query_len})")
-        md = self.build(0, m)
-        md.max_seq_len = max(md.max_seq_len, int(self.vllm_config.model_config.max_model_len))
-        return md
 
 
 def _host_seq_lens(m: CommonAttentionMetadata) -> Optional[torch.Tensor]:
@@ -646,6 +573,62 @@ class ATOMMLAImpl(MLAAttentionImpl[ATOMMLAMetadata]):
         buf[..., nope:nope + rope] = latent[:, None, rank:].to(dtype)
         width = max(nope + rope, vdim)
         return buf[..., :width], buf[..., nope + rope + vdim - width:]
+
+
+class VLLMMLABackendMethods(VLLMBackendMethods):
+    """Source of the MLA backend decorator (record ``vllm.attention.mla_backend``): the shared
+    backend members of :class:`atom.plugin.attention.VLLMBackendMethods` (reading
+    :class:`ATOMMLABackend`'s declarations) plus what only an MLA backend answers."""
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        """vLLM's layers and KV-cache manager take the latent (MLA) path for this backend."""
+        return True
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        """``kv_lora_rank + 64`` for every rank atom's MLA kernels take."""
+        return not _mla_geometry_reasons(head_size - ROPE_DIM, ROPE_DIM)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> Any:
+        """None (any layout, no preference), as vLLM's base answers: from 0.29 vLLM allocates
+        the latent cache ``[B, 1, N, C]`` itself and ``MLAAttention`` squeezes the head axis;
+        atom's MLA kernels take any block and token strides."""
+        return None
+
+
+class ATOMMLABackend(AttentionBackend):
+    """Latent-cache MLA for dense (non-sparse) DeepSeek-style decoder layers. vLLM's
+    classmethods are injected by the MLA backend decorator (:class:`VLLMMLABackendMethods`)
+    from these declarations."""
+
+    backend_name: ClassVar[str] = BACKEND_NAME
+    impl_cls: ClassVar[type] = ATOMMLAImpl
+    builder_cls: ClassVar[type] = ATOMMLAMetadataBuilder
+    # The kernels take any page size; vLLM-CPU forces 16 for MLA, GPUs use 16 or more.
+    block_size_multiple: ClassVar[int] = 16
+    max_head_size: ClassVar[int] = MAX_KV_LORA_RANK + ROPE_DIM
+    has_sinks: ClassVar[bool] = False
+    has_sliding_window: ClassVar[bool] = False
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    # No fp8 latent cache yet: the kernels take a kv_scale, but vLLM's _k_scale plumbing
+    # (calibration, checkpoint scales) is not wired or tested.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """One latent row per token (``num_kv_heads`` is 1 for MLA); vLLM <= 0.28 allocates
+        this per layer. From 0.29 vLLM allocates ``[B, 1, N, C]`` itself and the layer squeezes it."""
+        return (num_blocks, block_size, head_size)
+
+    @classmethod
+    def layer_reasons(cls) -> list[str]:
+        """The layer geometry the selector does not carry (rank and rope split, read from the
+        model config); ``atom.plugin.attention.unsupported_reasons`` adds these."""
+        dims = _model_mla_dims()
+        return _mla_geometry_reasons(*dims) if dims is not None else []
 
 
 def _split_kv_b_proj(kv_b_proj: Any, dtype: torch.dtype, rank: int, heads: int, nope: int,
