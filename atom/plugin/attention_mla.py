@@ -4,7 +4,8 @@ For DeepSeek-V2/V3 and Kimi-K2 shaped layers (``kv_lora_rank`` up to 512, ``qk_r
 64). How vLLM reaches each piece (0.32; 0.26 differs where marked):
 
 * ``ATOMPlatform.get_attn_backend_cls`` -> ``atom.plugin.register.select_attention_backend``
-  returns :data:`BACKEND_QUALNAME` for a ``use_mla`` layer it supports. Before answering it calls
+  applies the MLA backend and builder decorators (``atom.plugin.attention.apply_decorators``)
+  and returns :data:`BACKEND_QUALNAME` for a ``use_mla`` layer it supports. Before answering it calls
   :func:`register` (the dynamic ``AttentionBackendEnum`` member ``ATOM_MLA``: vLLM looks backends
   up by ``get_name()``; ``CUSTOM`` belongs to atom's MHA backend, and a name of our own takes no
   slot another plugin could own) and :func:`enable_plugin_mode` (the injections below and
@@ -23,15 +24,27 @@ For DeepSeek-V2/V3 and Kimi-K2 shaped layers (``kv_lora_rank`` up to 512, ``qk_r
   ``impl.do_kv_cache_update`` (latent write, ``atom.ops.mla_write_latent_cache``) and then
   ``MLAAttention.forward_impl``, which mla_patch routes to the plugin-mode ``impl.forward``:
   decode rows by weight absorption over the latent cache (``atom.ops.mla_decode``), prefill and
-  extend rows by up-projecting the cached latents through ``kv_b_proj`` and paged attention
-  (``atom.ops.paged_attention``).
+  extend rows by up-projecting latents through ``kv_b_proj`` and paged attention
+  (``atom.ops.paged_attention`` with its LSE output): the new tokens causally, the cached context
+  in chunks of a bounded workspace (:func:`context_chunk_tokens`), merged by log-sum-exp.
+  vLLM's profiling run (no metadata) allocates that workspace's bound
+  (:func:`forward_mha_workspace_bytes`) so the KV-cache sizing leaves room for it.
 * After weight loading, vLLM's loader calls ``MLAAttention.process_weights_after_loading
   (act_dtype)``; mla_patch routes it to the plugin-mode ``impl.process_weights_after_loading``,
   which splits ``kv_b_proj`` into the absorbed ``W_UK_T`` / ``W_UV`` atom's decode uses.
 
-The plugin-mode ``forward`` and ``process_weights_after_loading`` are not defined on
-``ATOMMLAImpl`` itself: they are injected by the :class:`atom.patches.Injection` records
-:data:`MLA_IMPL_INJECTION` when the backend is chosen, and ``revert`` restores the class.
+What vLLM calls is injected, not declared, on atom's classes (:class:`atom.patches.Injection`
+records, applied when the backend is chosen; ``revert`` restores the classes as declared):
+
+* ``vllm.attention.mla_backend`` (``atom.plugin.vllm.patches``): the shared backend decorator
+  (``atom.plugin.attention.VLLMBackendMethods``, reading :class:`ATOMMLABackend`'s declarations)
+  through :class:`VLLMMLABackendMethods`, which adds ``is_mla`` and MLA's head-size and layout
+  answers;
+* ``vllm.attention.mla_builder``: the shared builder decorator (``build``,
+  ``build_for_cudagraph_capture``, ``build_for_drafting``) onto
+  :meth:`ATOMMLAMetadataBuilder.build_metadata`;
+* :data:`MLA_IMPL_INJECTION`: the plugin-mode ``forward`` and ``process_weights_after_loading``
+  of :class:`ATOMMLAImpl` (applied by :func:`enable_plugin_mode`, with mla_patch).
 """
 
 from __future__ import annotations
@@ -256,7 +269,7 @@ def _count_fresh_prefills(m: CommonAttentionMetadata, num_decodes: int) -> int:
 
 # -- context chunking and its workspace -------------------------------------------------------
 
-#: Cap of the automatic context chunk: 16k tokens up-project to ~2.4 GB for DeepSeek-V3
+#: Cap of the automatic context chunk: 16k tokens up-project to ~2.45 GB for DeepSeek-V3
 #: (128 heads x (128 + 64 + 128) + kv_b_proj's 128 x 256 values per token, bf16).
 MAX_CONTEXT_CHUNK_TOKENS = 16 * 1024
 
@@ -288,14 +301,16 @@ def forward_mha_workspace_bytes(chunk_tokens: int, max_tokens: int, heads: int, 
     ``max_tokens`` prefill/extend tokens: the up-projection of ``max(chunk_tokens, max_tokens)``
     latent rows (gathered latents, ``kv_b_proj``'s input and output, the ``[N, H, nope + rope +
     v]`` key/value buffer, int64 gather indices) plus the query-side tensors (padded queries,
-    one partial output and LSE, the float32 running output and LSE, the merge's temporaries).
-    vLLM's profiling run allocates this once (see ``forward``), so its peak counts it."""
+    one partial output, the float32 running output, and per head the float32 LSEs and merge
+    weights). vLLM's profiling run allocates this once (see ``forward``), so its peak counts it.
+
+    DeepSeek-V3 (128 heads, bf16), W = 16k, 8192 tokens per step: 2.45 GB + 1.37 GB."""
     elt = torch.empty((), dtype=dtype).element_size()
     width = max(nope + rope, vdim)
     rows = max(chunk_tokens, max_tokens)
     per_row = (rank + rope) * elt + rank * elt + heads * (nope + vdim) * elt \
         + heads * (nope + rope + vdim) * elt + 4 * 8
-    per_query = heads * (2 * width * elt + 2 * 4 + 3 * vdim * 4 + 2 * 4)
+    per_query = heads * (2 * width * elt + vdim * 4 + 6 * 4)
     return rows * per_row + max_tokens * per_query
 
 
@@ -318,7 +333,7 @@ def _merge_partial(acc: torch.Tensor, acc_lse: torch.Tensor, part: torch.Tensor,
     finite (the new tokens see themselves); a ``part`` row without keys has LSE -inf and 0."""
     total = torch.logaddexp(acc_lse, part_lse)
     acc.mul_(torch.exp(acc_lse - total).unsqueeze(-1))
-    acc.add_(part.float() * torch.exp(part_lse - total).unsqueeze(-1))
+    acc.addcmul_(part, torch.exp(part_lse - total).unsqueeze(-1))  # part read in its own dtype
     acc_lse.copy_(total)
 
 
