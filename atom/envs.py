@@ -82,6 +82,16 @@ def _parse_ops_backend(name: str, raw: str) -> dict[str, str]:
     return result
 
 
+def _parse_nonneg_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise EnvError(f"{name}={raw!r} is not a valid value; accepted values: an integer >= 0")
+    return value
+
+
 @dataclass(frozen=True)
 class EnvVar:
     """One environment variable: its name, type, default (as the raw string) and doc."""
@@ -157,6 +167,12 @@ VARIABLES: dict[str, EnvVar] = {
             "a model that lacks its support_torch_compile decorator; for A/B measurements and as "
             "an escape hatch if Dynamo cannot trace a model.",
             _parse_bool, _BOOL,
+        ),
+        EnvVar(
+            "ATOM_MLA_CONTEXT_CHUNK_TOKENS", "int", "0",
+            "Tokens of cached context atom's MLA backend up-projects at a time for prefill/extend "
+            "rows (its bounded workspace); 0 = sized from vLLM's config (see docs/attention.md).",
+            _parse_nonneg_int, "an integer >= 0",
         ),
     )
 }

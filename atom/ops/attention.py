@@ -16,6 +16,11 @@ Masking: new token ``i`` of a sequence sits at position ``p = seq_len - q_len + 
 last ``W`` keys including itself). ``sinks`` (one float32 logit per query head, GPT-OSS) add
 ``exp(sink)`` to every softmax denominator with no value attached.
 
+``lse`` (optional float32 output ``[total_q_tokens, num_heads]``): the natural-log
+log-sum-exp of each row's scaled, masked scores, so partial attentions over disjoint key sets
+can be merged exactly (MLA's chunked context). A row that sees no key gets output 0 and LSE
+``-inf``.
+
 Backends: :func:`paged_attention_torch` (reference, float32 math), Triton
 (:mod:`atom.ops.attention_triton`: a tiled prefill/extend kernel plus a split-KV decode kernel
 for single-token sequences, both in one call for mixed batches) and an AITER adapter.
@@ -47,7 +52,8 @@ def _scale_of(scale: Scale) -> Union[torch.Tensor, float]:
 
 def _check_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_table: torch.Tensor, seq_lens: torch.Tensor,
-                query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor]) -> None:
+                query_start_loc: torch.Tensor, sinks: Optional[torch.Tensor],
+                lse: Optional[torch.Tensor] = None) -> None:
     """Shape checks common to every backend (a malformed call fails the same way anywhere)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, heads, head_size], got {tuple(q.shape)}")
@@ -67,6 +73,8 @@ def _check_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
         raise ValueError(f"block_table must be [num_seqs, max_blocks], got {tuple(block_table.shape)}")
     if sinks is not None and sinks.shape != (num_heads,):
         raise ValueError(f"sinks must be [{num_heads}], got {tuple(sinks.shape)}")
+    if lse is not None and (lse.shape != (q.shape[0], num_heads) or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be float32 [{q.shape[0]}, {num_heads}], got {lse.dtype} {tuple(lse.shape)}")
 
 
 def paged_attention_torch(
@@ -86,6 +94,7 @@ def paged_attention_torch(
     k_scale: Scale = None,
     v_scale: Scale = None,
     out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference paged attention: per sequence, gather its keys/values and do float32 softmax.
 
@@ -93,7 +102,7 @@ def paged_attention_torch(
     head_size]`` in ``q``'s dtype. ``max_query_len`` / ``max_seq_len`` are accepted for
     signature parity and not needed here.
     """
-    _check_args(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, sinks)
+    _check_args(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, sinks, lse)
     if out is None:
         out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -124,9 +133,12 @@ def paged_attention_torch(
         scores = scores.masked_fill(~keep, float("-inf"))
         if sinks is not None:
             sink_col = sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
-            probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = torch.softmax(scores, dim=-1)
+            scores = torch.cat([scores, sink_col], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        if lse is not None:
+            lse[q0:q1] = torch.logsumexp(scores, dim=-1).t()  # [q, H]; -inf for a row without keys
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
 
@@ -136,8 +148,10 @@ def paged_attention_torch(
 
 def _triton_supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, *args, sinks=None, out=None,
+                     query_start_loc: torch.Tensor, *args, sinks=None, out=None, lse=None,
                      **kwargs) -> Optional[str]:
+    if lse is not None and lse.stride(-1) != 1:
+        return "the lse output needs a unit-stride head dimension"
     if q.dtype not in _FLOAT_DTYPES:
         return f"q dtype {q.dtype} (needs float16/bfloat16/float32)"
     if key_cache.dtype != q.dtype and key_cache.dtype not in _FP8_DTYPES:
@@ -159,7 +173,7 @@ def _paged_attention_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cach
                             query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                             scale: float, **kwargs) -> torch.Tensor:
     _check_args(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                kwargs.get("sinks"))
+                kwargs.get("sinks"), kwargs.get("lse"))
     from atom.ops.attention_triton import paged_attention_fwd  # lazy: Triton is optional
 
     return paged_attention_fwd(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
@@ -170,7 +184,9 @@ def _paged_attention_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cach
 
 
 def _aiter_supports(q: torch.Tensor, key_cache: torch.Tensor, *args, sinks=None,
-                    k_scale=None, v_scale=None, **kwargs) -> Optional[str]:
+                    k_scale=None, v_scale=None, lse=None, **kwargs) -> Optional[str]:
+    if lse is not None:
+        return "the LSE output is not covered by atom's aiter binding"
     if sinks is not None:
         return "attention sinks are not covered by atom's aiter binding"
     if key_cache.dtype in _FP8_DTYPES:
@@ -185,7 +201,8 @@ def _paged_attention_aiter(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
                            scale: float, *, causal: bool = True,
                            sliding_window: Optional[int] = None, sinks=None, k_scale=None,
-                           v_scale=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           v_scale=None, out: Optional[torch.Tensor] = None,
+                           lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """aiter.flash_attn_varlen_func on keys/values gathered out of the paged cache.
 
     aiter's paged decode kernels (pa_fwd_asm) want their own shuffled cache layout, not vLLM's
@@ -222,6 +239,6 @@ paged_attention = register(Op(
     triton_supports=_triton_supports,
     aiter_supports=_aiter_supports,
     doc="Paged (NHD) attention for packed varlen queries: prefill, extend and decode in one call; "
-        "GQA, sliding window, sinks, fp8 caches.",
+        "GQA, sliding window, sinks, fp8 caches; optional log-sum-exp output.",
 ))
 paged_attention.__doc__ = paged_attention_torch.__doc__

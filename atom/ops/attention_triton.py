@@ -130,13 +130,13 @@ def _qk_pv_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, kpos, kmask, qpos, win
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    sm_scale, window,
+    lse_ptr, sm_scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_ot, stride_oh, stride_lt,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_KV_SCALE: tl.constexpr, SKIP_DECODE: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    STORE_LSE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     seq = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -225,6 +225,11 @@ def _prefill_kernel(
     tl.store(out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mmask[:, None] & dmask[None, :])
+    if STORE_LSE:
+        # natural log: m_i is in base-2 units (log2(e) folded into the scale); -inf without keys
+        lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(lse_ptr + (q_start + offs_m).to(tl.int64) * stride_lt + head, lse, mask=mmask)
 
 
 @triton.jit
@@ -406,10 +411,12 @@ def paged_attention_fwd(
     sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
     k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton paged attention; arguments as :func:`atom.ops.attention.paged_attention`.
 
-    ``num_splits`` overrides the decode split-KV count (tests and tuning).
+    ``num_splits`` overrides the decode split-KV count (tests and tuning). With ``lse`` every
+    sequence (single-token ones too) goes through the prefill kernel, which stores the LSE.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -430,20 +437,24 @@ def paged_attention_fwd(
     common = dict(HEAD_D=head_dim, BLOCK_D=block_d, PAGE=page, HAS_WINDOW=window > 0,
                   HAS_SINKS=sinks is not None, HAS_KV_SCALE=has_scale, UPCAST=upcast, PREC=prec)
 
-    if max_query_len > 1:
+    if max_query_len > 1 or lse is not None:
         cfg = _prefill_config(head_dim, q.dtype)
-        grid = (num_seqs, triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_heads)
+        grid = (num_seqs, triton.cdiv(max(max_query_len, 1), cfg["BLOCK_M"]), num_heads)
         _prefill_kernel[grid](
             q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
             sinks if sinks is not None else dummy,
             k_scale if has_scale else dummy, v_scale if has_scale else dummy,
-            float(scale), window,
+            lse if lse is not None else dummy, float(scale), window,
             q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
             key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
             value_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
+            lse.stride(0) if lse is not None else 0,
             GROUP=group, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
-            SKIP_DECODE=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
+            SKIP_DECODE=lse is None, STORE_LSE=lse is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
         )
+        if lse is not None:
+            return out
 
     cfg = _decode_config(head_dim, q.dtype)
     # context a decode token actually reads (the window bounds it)

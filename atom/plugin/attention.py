@@ -11,13 +11,16 @@ hold atom's own declarations and math; what vLLM calls on them is *injected* by 
   ``validate_configuration`` answers. They read plain declarations of the atom class
   (``backend_name``, ``impl_cls``, ``builder_cls``, ``kv_cache_shape``, ``kv_cache_layouts``,
   ``block_size_multiple``, ``max_head_size``, ``has_sinks``, ``has_sliding_window``), so the MLA
-  backend gets them by declaring its own values.
+  backend gets them by declaring its own values; what only MLA answers (``is_mla``, its head
+  sizes and layouts) comes from a subclass of the shared source
+  (``attention_mla.VLLMMLABackendMethods``), injected by the same record factory.
 * the **builder decorator** (:class:`VLLMBuilderMethods`, :data:`BUILDER_MEMBERS`): ``build``,
   ``build_for_cudagraph_capture`` and ``build_for_drafting`` (spec-decode drafts), each turning
   vLLM's ``CommonAttentionMetadata`` into atom's metadata through the atom builder's
   ``build_metadata(common, for_capture=..., fast=...)``.
-* the impl decorator, per backend kind (``attention_mha.VLLMMHAImplMethods``): the plugin-mode
-  ``forward`` / ``do_kv_cache_update`` / ``process_weights_after_loading``.
+* the impl decorator, per backend kind (``attention_mha.VLLMMHAImplMethods``; MLA:
+  ``attention_mla.MLA_IMPL_INJECTION``): the plugin-mode ``forward`` / ``do_kv_cache_update`` /
+  ``process_weights_after_loading``.
 
 The records are applied when vLLM is the chosen framework: armed by ``register_model`` in every
 vLLM process (they land when vLLM imports the backend module by qualname) and applied before

@@ -4,7 +4,8 @@ For DeepSeek-V2/V3 and Kimi-K2 shaped layers (``kv_lora_rank`` up to 512, ``qk_r
 64). How vLLM reaches each piece (0.32; 0.26 differs where marked):
 
 * ``ATOMPlatform.get_attn_backend_cls`` -> ``atom.plugin.register.select_attention_backend``
-  returns :data:`BACKEND_QUALNAME` for a ``use_mla`` layer it supports. Before answering it calls
+  applies the MLA backend and builder decorators (``atom.plugin.attention.apply_decorators``)
+  and returns :data:`BACKEND_QUALNAME` for a ``use_mla`` layer it supports. Before answering it calls
   :func:`register` (the dynamic ``AttentionBackendEnum`` member ``ATOM_MLA``: vLLM looks backends
   up by ``get_name()``; ``CUSTOM`` belongs to atom's MHA backend, and a name of our own takes no
   slot another plugin could own) and :func:`enable_plugin_mode` (the injections below and
@@ -23,15 +24,27 @@ For DeepSeek-V2/V3 and Kimi-K2 shaped layers (``kv_lora_rank`` up to 512, ``qk_r
   ``impl.do_kv_cache_update`` (latent write, ``atom.ops.mla_write_latent_cache``) and then
   ``MLAAttention.forward_impl``, which mla_patch routes to the plugin-mode ``impl.forward``:
   decode rows by weight absorption over the latent cache (``atom.ops.mla_decode``), prefill and
-  extend rows by up-projecting the cached latents through ``kv_b_proj`` and paged attention
-  (``atom.ops.paged_attention``).
+  extend rows by up-projecting latents through ``kv_b_proj`` and paged attention
+  (``atom.ops.paged_attention`` with its LSE output): the new tokens causally, the cached context
+  in chunks of a bounded workspace (:func:`context_chunk_tokens`), merged by log-sum-exp.
+  vLLM's profiling run (no metadata) allocates that workspace's bound
+  (:func:`forward_mha_workspace_bytes`) so the KV-cache sizing leaves room for it.
 * After weight loading, vLLM's loader calls ``MLAAttention.process_weights_after_loading
   (act_dtype)``; mla_patch routes it to the plugin-mode ``impl.process_weights_after_loading``,
   which splits ``kv_b_proj`` into the absorbed ``W_UK_T`` / ``W_UV`` atom's decode uses.
 
-The plugin-mode ``forward`` and ``process_weights_after_loading`` are not defined on
-``ATOMMLAImpl`` itself: they are injected by the :class:`atom.patches.Injection` records
-:data:`MLA_IMPL_INJECTION` when the backend is chosen, and ``revert`` restores the class.
+What vLLM calls is injected, not declared, on atom's classes (:class:`atom.patches.Injection`
+records, applied when the backend is chosen; ``revert`` restores the classes as declared):
+
+* ``vllm.attention.mla_backend`` (``atom.plugin.vllm.patches``): the shared backend decorator
+  (``atom.plugin.attention.VLLMBackendMethods``, reading :class:`ATOMMLABackend`'s declarations)
+  through :class:`VLLMMLABackendMethods`, which adds ``is_mla`` and MLA's head-size and layout
+  answers;
+* ``vllm.attention.mla_builder``: the shared builder decorator (``build``,
+  ``build_for_cudagraph_capture``, ``build_for_drafting``) onto
+  :meth:`ATOMMLAMetadataBuilder.build_metadata`;
+* :data:`MLA_IMPL_INJECTION`: the plugin-mode ``forward`` and ``process_weights_after_loading``
+  of :class:`ATOMMLAImpl` (applied by :func:`enable_plugin_mode`, with mla_patch).
 """
 
 from __future__ import annotations
@@ -52,7 +65,6 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
     MLAAttentionImpl,
-    MultipleOf,
 )
 
 logger = get_logger("atom.plugin")
@@ -98,77 +110,6 @@ def _mla_geometry_reasons(kv_lora_rank: int, qk_rope_head_dim: int) -> list[str]
     return reasons
 
 
-class ATOMMLABackend(AttentionBackend):
-    """Latent-cache MLA for dense (non-sparse) DeepSeek-style decoder layers."""
-
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # No fp8 latent cache yet: the kernels take a kv_scale, but vLLM's _k_scale plumbing
-    # (calibration, checkpoint scales) is not wired or tested.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
-
-    @staticmethod
-    def get_name() -> str:
-        return BACKEND_NAME
-
-    @staticmethod
-    def get_impl_cls() -> type["ATOMMLAImpl"]:
-        return ATOMMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type["ATOMMLAMetadataBuilder"]:
-        return ATOMMLAMetadataBuilder
-
-    @classmethod
-    def is_mla(cls) -> bool:
-        return True
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Union[int, MultipleOf]]:
-        # The kernels take any page size; vLLM-CPU forces 16 for MLA, GPUs use 16 or more.
-        return [MultipleOf(16)]
-
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        """vLLM <= 0.28 allocates this per layer: one latent row per token (``num_kv_heads`` is
-        1 for MLA). From 0.29 vLLM allocates ``[B, 1, N, C]`` itself and the layer squeezes it."""
-        if block_size % 16 != 0:
-            raise ValueError(f"atom's MLA needs a block size that is a multiple of 16, got {block_size}")
-        return (num_blocks, block_size, head_size)
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return []  # kv_lora_rank + 64 for every supported rank, see supports_head_size
-
-    @classmethod
-    def supports_head_size(cls, head_size: int) -> bool:
-        return not _mla_geometry_reasons(head_size - ROPE_DIM, ROPE_DIM)
-
-    @classmethod
-    def supports_kv_connector(cls) -> bool:
-        return False  # never exercised with a KV connector
-
-    @classmethod
-    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
-        return False
-
-    # vLLM's selector checks, shared with the MHA backend (its backend decorator's source).
-    supports_combination = VLLMBackendMethods.__dict__["supports_combination"]
-    validate_configuration = VLLMBackendMethods.__dict__["validate_configuration"]
-
-    @classmethod
-    def layer_reasons(cls) -> list[str]:
-        """The layer geometry the selector does not carry (rank and rope split, read from the
-        model config); ``atom.plugin.attention.unsupported_reasons`` adds these."""
-        dims = _model_mla_dims()
-        return _mla_geometry_reasons(*dims) if dims is not None else []
-
-
 def _model_mla_dims() -> Optional[tuple[int, int]]:
     """(kv_lora_rank, qk_rope_head_dim) of the model being built, or None when unknown."""
     try:
@@ -212,10 +153,16 @@ class ATOMMLAMetadata:
     #: query_start_loc of the extend+prefill rows, rebased to their first token
     prefill_query_start_loc: Optional[torch.Tensor] = None
     causal: bool = True
+    #: host upper bound of the cached context of the extend rows (0: no extend row); sizes the
+    #: number of context chunks ``forward_mha`` walks
+    max_context_len: int = 0
 
 
 class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
-    """Turns vLLM's ``CommonAttentionMetadata`` into :class:`ATOMMLAMetadata`.
+    """Turns vLLM's ``CommonAttentionMetadata`` into :class:`ATOMMLAMetadata`
+    (``build`` / ``build_for_cudagraph_capture`` / ``build_for_drafting`` are injected by the
+    shared builder decorator, record ``vllm.attention.mla_builder``, and call
+    :meth:`build_metadata`).
 
     ``reorder_batch_threshold = 1``: vLLM's runner puts single-token decode rows first, so the
     split is two boundaries read from host tensors.
@@ -243,15 +190,20 @@ class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
         )
         return cls._cudagraph_support if graph_safe else AttentionCGSupport.NEVER
 
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> ATOMMLAMetadata:
+    def build_metadata(self, m: CommonAttentionMetadata, for_capture: bool = False,
+                       fast: bool = False) -> ATOMMLAMetadata:
+        """atom's split metadata from vLLM's ``CommonAttentionMetadata`` (host ints, device
+        tensors).
+
+        ``for_capture`` (``build_for_cudagraph_capture``): decode-only batches, with
+        ``max_seq_len`` raised to ``max_model_len``: the decode kernel fixes its KV split count
+        from it at capture, and the graph is replayed for every context length up to the
+        model's limit."""
         from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-        m = common_attn_metadata
+        if for_capture and m.max_query_len > 1:
+            raise ValueError("atom's MLA captures full CUDA graphs of single-token decode batches only "
+                             f"(max_query_len {m.max_query_len})")
         if isinstance(m.causal, torch.Tensor) or not m.causal:
             raise NotImplementedError("atom's MLA backend serves causal decoder attention only")
         num_decodes, num_rest, num_decode_tokens, num_rest_tokens = split_decodes_and_prefills(
@@ -260,11 +212,15 @@ class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
         prefill_qsl = None
         if num_rest:
             prefill_qsl = m.query_start_loc[num_decodes:] - num_decode_tokens
+        max_context_len = _max_context_len(m, num_decodes) if num_extends else 0
+        max_seq_len = int(m.max_seq_len)
+        if for_capture:
+            max_seq_len = max(max_seq_len, int(self.vllm_config.model_config.max_model_len))
         return ATOMMLAMetadata(
             num_actual_tokens=m.num_actual_tokens,
             num_reqs=m.num_reqs,
             max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len,
+            max_seq_len=max_seq_len,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
@@ -275,33 +231,110 @@ class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
             num_prefills=num_rest - num_extends,
             num_prefill_tokens=num_rest_tokens,
             prefill_query_start_loc=prefill_qsl,
+            max_context_len=max_context_len,
         )
 
-    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> ATOMMLAMetadata:
-        """As ``build`` for a decode-only batch, with ``max_seq_len`` raised to
-        ``max_model_len``: the decode kernel fixes its KV split count from it at capture, and
-        the graph is replayed for every context length up to the model's limit."""
-        m = common_attn_metadata
-        if m.max_query_len > 1:
-            raise ValueError("atom's MLA captures full CUDA graphs of single-token decode batches only "
-                             f"(max_query_len {m.max_query_len})")
-        md = self.build(0, m)
-        md.max_seq_len = max(md.max_seq_len, int(self.vllm_config.model_config.max_model_len))
-        return md
+
+def _host_seq_lens(m: CommonAttentionMetadata) -> Optional[torch.Tensor]:
+    """Host seq_lens (0.26: ``seq_lens_cpu``; >= 0.29: the upper bound, exact for prefills)."""
+    seq_lens = getattr(m, "seq_lens_cpu_upper_bound", None)
+    if seq_lens is None:
+        seq_lens = getattr(m, "_seq_lens_cpu", None)
+    return seq_lens
+
+
+def _max_context_len(m: CommonAttentionMetadata, num_decodes: int) -> int:
+    """Host upper bound of the cached context of the non-decode rows (``seq_len - query_len``);
+    ``max_seq_len - 1`` when the release gives no host seq_lens. Never reads a device value."""
+    seq_lens = _host_seq_lens(m)
+    if seq_lens is None:
+        return max(int(m.max_seq_len) - 1, 0)
+    qsl = m.query_start_loc_cpu
+    query_lens = qsl[num_decodes + 1: m.num_reqs + 1] - qsl[num_decodes: m.num_reqs]
+    ctx = seq_lens[num_decodes: m.num_reqs] - query_lens
+    return int(ctx.max()) if ctx.numel() else 0
 
 
 def _count_fresh_prefills(m: CommonAttentionMetadata, num_decodes: int) -> int:
     """Rows after the decodes with no cached context (seq_len == query_len), from host tensors
     only; vLLM orders them last. 0.26 has ``seq_lens_cpu``, >= 0.29 an exact-for-prefills
     ``seq_lens_cpu_upper_bound``; without either every non-decode row counts as an extend."""
-    seq_lens = getattr(m, "seq_lens_cpu_upper_bound", None)
-    if seq_lens is None:
-        seq_lens = getattr(m, "_seq_lens_cpu", None)
+    seq_lens = _host_seq_lens(m)
     if seq_lens is None:
         return 0
     qsl = m.query_start_loc_cpu
     query_lens = qsl[num_decodes + 1: m.num_reqs + 1] - qsl[num_decodes: m.num_reqs]
     return int((seq_lens[num_decodes: m.num_reqs] == query_lens).sum())
+
+
+# -- context chunking and its workspace -------------------------------------------------------
+
+#: Cap of the automatic context chunk: 16k tokens up-project to ~2.45 GB for DeepSeek-V3
+#: (128 heads x (128 + 64 + 128) + kv_b_proj's 128 x 256 values per token, bf16).
+MAX_CONTEXT_CHUNK_TOKENS = 16 * 1024
+
+
+def context_chunk_tokens(vllm_config: Any) -> int:
+    """Tokens of cached context ``forward_mha`` up-projects at a time (``W``).
+
+    ``ATOM_MLA_CONTEXT_CHUNK_TOKENS`` when set (> 0); else vLLM's own rule for its MLA
+    backends' chunked-prefill workspace (``max(8 * max_model_len, 4 * max_num_seqs *
+    block_size)``) capped at :data:`MAX_CONTEXT_CHUNK_TOKENS`. Never below ``max_num_seqs``
+    (every extend row gets at least one context token per chunk). None of vLLM's config (an impl
+    built by hand): the cap."""
+    from atom import envs
+
+    forced = envs.ATOM_MLA_CONTEXT_CHUNK_TOKENS
+    if vllm_config is None:
+        return forced or MAX_CONTEXT_CHUNK_TOKENS
+    max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+    if forced:
+        return max(forced, max_num_seqs)
+    block_size = int(getattr(vllm_config.cache_config, "block_size", None) or 16)
+    auto = max(8 * int(vllm_config.model_config.max_model_len), 4 * max_num_seqs * block_size)
+    return max(min(auto, MAX_CONTEXT_CHUNK_TOKENS), max_num_seqs)
+
+
+def forward_mha_workspace_bytes(chunk_tokens: int, max_tokens: int, heads: int, rank: int,
+                                rope: int, nope: int, vdim: int, dtype: torch.dtype) -> int:
+    """Upper bound of what :meth:`ATOMMLAImpl.forward_mha` holds at once for a step of at most
+    ``max_tokens`` prefill/extend tokens: the up-projection of ``max(chunk_tokens, max_tokens)``
+    latent rows (gathered latents, ``kv_b_proj``'s input and output, the ``[N, H, nope + rope +
+    v]`` key/value buffer, int64 gather indices) plus the query-side tensors (padded queries,
+    one partial output, the float32 running output, and per head the float32 LSEs and merge
+    weights). vLLM's profiling run allocates this once (see ``forward``), so its peak counts it.
+
+    DeepSeek-V3 (128 heads, bf16), W = 16k, 8192 tokens per step: 2.45 GB + 1.37 GB."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    width = max(nope + rope, vdim)
+    rows = max(chunk_tokens, max_tokens)
+    per_row = (rank + rope) * elt + rank * elt + heads * (nope + vdim) * elt \
+        + heads * (nope + rope + vdim) * elt + 4 * 8
+    per_query = heads * (2 * width * elt + vdim * 4 + 6 * 4)
+    return rows * per_row + max_tokens * per_query
+
+
+def _current_vllm_config() -> Any:
+    """vLLM's config being built, or None outside its config context (an impl built by hand)."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        config = get_current_vllm_config()
+        config.scheduler_config.max_num_seqs  # noqa: B018 (0.26+: an empty default config asserts here)
+        return config
+    except Exception:
+        return None
+
+
+def _merge_partial(acc: torch.Tensor, acc_lse: torch.Tensor, part: torch.Tensor,
+                   part_lse: torch.Tensor) -> None:
+    """``acc, acc_lse <- merge(acc, acc_lse; part, part_lse)`` in place: two attentions of the
+    same queries over disjoint key sets, weighted by their log-sum-exps (exact). ``acc_lse`` is
+    finite (the new tokens see themselves); a ``part`` row without keys has LSE -inf and 0."""
+    total = torch.logaddexp(acc_lse, part_lse)
+    acc.mul_(torch.exp(acc_lse - total).unsqueeze(-1))
+    acc.addcmul_(part, torch.exp(part_lse - total).unsqueeze(-1))  # part read in its own dtype
+    acc_lse.copy_(total)
 
 
 # -- impl -------------------------------------------------------------------------------------
@@ -373,6 +406,21 @@ class ATOMMLAImpl(MLAAttentionImpl[ATOMMLAMetadata]):
         self.W_UK_T: Optional[torch.Tensor] = None
         self.W_UV: Optional[torch.Tensor] = None
         self._identity_rope: Optional[torch.Tensor] = None
+        # vLLM builds the impl inside its config context (MLAAttention.__init__); forward runs
+        # outside it, so the chunk size and the step's token bound are read now.
+        config = _current_vllm_config()
+        #: W: cached-context tokens up-projected at a time (see context_chunk_tokens)
+        self.context_chunk_tokens = context_chunk_tokens(config)
+        self._max_step_tokens = (int(config.scheduler_config.max_num_batched_tokens)
+                                 if config is not None else None)
+
+    def workspace_bytes(self, dtype: torch.dtype) -> int:
+        """:func:`forward_mha_workspace_bytes` for this layer (0 without vLLM's config)."""
+        if self._max_step_tokens is None:
+            return 0
+        return forward_mha_workspace_bytes(self.context_chunk_tokens, self._max_step_tokens,
+                                           self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim,
+                                           self.qk_nope_head_dim, self.v_head_dim, dtype)
 
     def fused_output_quant_supported(self, quant_key: Any) -> bool:
         return False  # no fused output quantization: vLLM's fusion pass leaves our output alone
@@ -448,48 +496,154 @@ class ATOMMLAImpl(MLAAttentionImpl[ATOMMLAMetadata]):
         output: torch.Tensor,
         output_scale: Optional[torch.Tensor] = None,
     ) -> None:
-        """Prefill and extend rows (``q [Tp, H, qk_head_dim]``; ``output [Tp, H * v_head_dim]``):
-        the rows' whole context is read back from the latent cache (this step's tokens were
-        written by ``do_kv_cache_update``), up-projected through ``kv_b_proj`` into per-head
-        keys and values, and attended with atom's paged attention (causal, the new tokens last).
+        """Prefill and extend rows (``q [Tp, H, qk_head_dim]``; ``output [Tp, H * v_head_dim]``),
+        as vLLM's own MLA backends do it, with a bounded workspace:
 
-        The gather is sized by the step's ``max_seq_len`` (a host int), never by device values:
-        every row reads its first ``cdiv(max_seq_len, block_size)`` block-table entries, and
-        ``seq_lens`` masks what lies beyond a row's context.
+        1. the new tokens attend to themselves (causal): their latents are read back from the
+           cache (``do_kv_cache_update`` wrote them), up-projected through ``kv_b_proj``;
+        2. the cached context is walked in chunks: each chunk gathers up to ``c = W // rows``
+           context tokens of every row (``W = context_chunk_tokens``, a multiple of 16 when it
+           can be), up-projects them and attends non-causally;
+        3. the partial outputs are merged exactly by their log-sum-exps.
+
+        Every size is a host int (``max_seq_len``, ``max_query_len``, ``max_context_len``, the
+        row count), never a device value; rows whose context ends before a chunk read nothing.
         """
         if output_scale is not None:
             raise NotImplementedError("atom's MLA backend has no fused output quantization")
         from atom.ops import paged_attention
 
         md = attn_metadata
-        heads, nope, rope, vdim = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        rank = self.kv_lora_rank
+        heads, vdim = self.num_heads, self.v_head_dim
         rows = slice(md.num_decodes, md.num_reqs)
+        num_rows = md.num_reqs - md.num_decodes
         cache = kv_c_and_k_pe_cache
         block_size = cache.shape[1]
-        n_blocks = -(-md.max_seq_len // block_size)
-        # Unused block-table entries may hold anything; clamp keeps the gather in bounds.
-        table = md.block_table[rows, :n_blocks].clamp(min=0)
-        num_rows = table.shape[0]
-        latent = cache[table.reshape(-1).long()].reshape(-1, rank + rope)  # [R*nb*bs, rank+rope]
-        kv = self.kv_b_proj(latent[:, :rank].to(q.dtype))[0].view(-1, heads, nope + vdim)
-        k_nope, v = kv.split([nope, vdim], dim=-1)
-        k_pe_ctx = latent[:, rank:].to(q.dtype).unsqueeze(1).expand(-1, heads, rope)
+        tokens = q.shape[0]
+        dev = q.device
+        width = max(self.qk_nope_head_dim + self.qk_rope_head_dim, vdim)
+        if width > q.shape[-1]:  # zero columns leave the scores unchanged
+            q = torch.nn.functional.pad(q, (0, width - q.shape[-1]))
+        q = q.contiguous()
+        qsl = md.prefill_query_start_loc
+        q_lens = qsl[1:] - qsl[:-1]
+
+        # 1. new tokens over themselves, causal (their keys are one-token pages, row r's at
+        #    qsl[r] + j)
+        slots = md.slot_mapping[md.num_decode_tokens: md.num_decode_tokens + tokens].long()
+        key, value = self._up_project(cache[slots // block_size, slots % block_size], q.dtype)
+        table = (qsl[:-1, None] + torch.arange(md.max_query_len, device=dev, dtype=qsl.dtype))
+        table = table.clamp(max=tokens - 1)
+        part = torch.empty_like(q)
+        lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+        paged_attention(q, key.unsqueeze(1), value.unsqueeze(1), table, q_lens, qsl,
+                        md.max_query_len, md.max_query_len, self.scale, causal=True, out=part, lse=lse)
+        del key, value
+        acc = part[..., width - vdim:].to(torch.float32, copy=True)  # never a view of part
+        acc_lse = lse.clone()
+
+        # 2. cached context in chunks of c tokens per row
+        if md.max_context_len > 0:
+            ctx_lens = md.seq_lens[rows] - q_lens
+            per_row = max(self.context_chunk_tokens // max(num_rows, 1), 1)
+            per_row = per_row // 16 * 16 if per_row >= 16 else per_row
+            per_row = min(per_row, -(-md.max_context_len // 16) * 16)
+            page = 16 if per_row % 16 == 0 else per_row
+            block_table = md.block_table[rows]
+            last = block_table.shape[1] * block_size - 1
+            offsets = torch.arange(per_row, device=dev)
+            chunk_table = torch.arange(num_rows * per_row // page, dtype=torch.int32,
+                                       device=dev).view(num_rows, per_row // page)
+            for start in range(0, md.max_context_len, per_row):
+                pos = (start + offsets).clamp(max=last)  # [c]
+                # unused block-table entries may hold anything; clamp keeps the gather in bounds
+                blocks = block_table[:, pos // block_size].clamp(min=0).long()  # [R, c]
+                latent = cache[blocks, (pos % block_size).expand_as(blocks)].view(-1, cache.shape[-1])
+                key, value = self._up_project(latent, q.dtype)
+                del latent, blocks
+                shape = (num_rows * per_row // page, page, heads, width)
+                kv_lens = (ctx_lens - start).clamp(min=0, max=per_row).to(torch.int32)
+                paged_attention(q, key.view(shape), value.view(shape), chunk_table, kv_lens, qsl,
+                                md.max_query_len, per_row, self.scale, causal=False, out=part, lse=lse)
+                del key, value
+                _merge_partial(acc, acc_lse, part[..., width - vdim:], lse)
+
+        # 3. the merged output
+        output.view(-1, heads, vdim).copy_(acc)
+
+    def _up_project(self, latent: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys and values of latent rows ``[N, rank + rope]``: one buffer ``[N, H,
+        nope + rope + v]`` holding ``[k_nope | k_pe | v]``; returns two ``[N, H, width]`` views
+        of it (``width = max(nope + rope, v)``): keys = its first ``width`` columns (columns past
+        ``nope + rope`` meet zero-padded queries), values = its last ``width`` columns (the
+        attention output's last ``v`` columns are the real ones)."""
+        rank, rope, nope, vdim = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
+        heads = self.num_heads
+        n = latent.shape[0]
+        kv = self.kv_b_proj(latent[:, :rank].to(dtype))[0].view(n, heads, nope + vdim)
+        buf = kv.new_empty(n, heads, nope + rope + vdim)
+        buf[..., :nope] = kv[..., :nope]
+        buf[..., nope + rope:] = kv[..., nope:]
+        del kv
+        buf[..., nope:nope + rope] = latent[:, None, rank:].to(dtype)
         width = max(nope + rope, vdim)
-        key = torch.cat([k_nope, k_pe_ctx], dim=-1)
-        pad_q = width - (nope + rope)
-        if pad_q:  # zero columns leave the scores unchanged
-            key = torch.nn.functional.pad(key, (0, pad_q))
-            q = torch.nn.functional.pad(q, (0, pad_q))
-        value = torch.nn.functional.pad(v, (0, width - vdim)) if width > vdim else v
-        shape = (num_rows * n_blocks, block_size, heads, width)
-        new_table = torch.arange(num_rows * n_blocks, dtype=torch.int32, device=q.device).view(num_rows, n_blocks)
-        out = paged_attention(
-            q.contiguous(), key.reshape(shape).contiguous(), value.reshape(shape).contiguous(), new_table,
-            md.seq_lens[rows], md.prefill_query_start_loc, md.max_query_len, md.max_seq_len, self.scale,
-            causal=True,
-        )
-        output.view(-1, heads, vdim).copy_(out[..., :vdim])
+        return buf[..., :width], buf[..., nope + rope + vdim - width:]
+
+
+class VLLMMLABackendMethods(VLLMBackendMethods):
+    """Source of the MLA backend decorator (record ``vllm.attention.mla_backend``): the shared
+    backend members of :class:`atom.plugin.attention.VLLMBackendMethods` (reading
+    :class:`ATOMMLABackend`'s declarations) plus what only an MLA backend answers."""
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        """vLLM's layers and KV-cache manager take the latent (MLA) path for this backend."""
+        return True
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        """``kv_lora_rank + 64`` for every rank atom's MLA kernels take."""
+        return not _mla_geometry_reasons(head_size - ROPE_DIM, ROPE_DIM)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> Any:
+        """None (any layout, no preference), as vLLM's base answers: from 0.29 vLLM allocates
+        the latent cache ``[B, 1, N, C]`` itself and ``MLAAttention`` squeezes the head axis;
+        atom's MLA kernels take any block and token strides."""
+        return None
+
+
+class ATOMMLABackend(AttentionBackend):
+    """Latent-cache MLA for dense (non-sparse) DeepSeek-style decoder layers. vLLM's
+    classmethods are injected by the MLA backend decorator (:class:`VLLMMLABackendMethods`)
+    from these declarations."""
+
+    backend_name: ClassVar[str] = BACKEND_NAME
+    impl_cls: ClassVar[type] = ATOMMLAImpl
+    builder_cls: ClassVar[type] = ATOMMLAMetadataBuilder
+    # The kernels take any page size; vLLM-CPU forces 16 for MLA, GPUs use 16 or more.
+    block_size_multiple: ClassVar[int] = 16
+    max_head_size: ClassVar[int] = MAX_KV_LORA_RANK + ROPE_DIM
+    has_sinks: ClassVar[bool] = False
+    has_sliding_window: ClassVar[bool] = False
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    # No fp8 latent cache yet: the kernels take a kv_scale, but vLLM's _k_scale plumbing
+    # (calibration, checkpoint scales) is not wired or tested.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """One latent row per token (``num_kv_heads`` is 1 for MLA); vLLM <= 0.28 allocates
+        this per layer. From 0.29 vLLM allocates ``[B, 1, N, C]`` itself and the layer squeezes it."""
+        return (num_blocks, block_size, head_size)
+
+    @classmethod
+    def layer_reasons(cls) -> list[str]:
+        """The layer geometry the selector does not carry (rank and rope split, read from the
+        model config); ``atom.plugin.attention.unsupported_reasons`` adds these."""
+        dims = _model_mla_dims()
+        return _mla_geometry_reasons(*dims) if dims is not None else []
 
 
 def _split_kv_b_proj(kv_b_proj: Any, dtype: torch.dtype, rank: int, heads: int, nope: int,
@@ -540,7 +694,10 @@ class _PluginModeMembers:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("atom's MLA backend has no fused output quantization")
         if attn_metadata is None:
-            # vLLM's profiling run: no cache or metadata yet; return something defined.
+            # vLLM's profiling run: no cache or metadata yet. Allocate forward_mha's workspace
+            # bound once so vLLM's peak-memory measurement counts it; return zeros.
+            if output.is_cuda:
+                torch.empty(self.workspace_bytes(q.dtype), dtype=torch.uint8, device=output.device)
             return output.fill_(0)
         md = attn_metadata
         n, nd = md.num_actual_tokens, md.num_decode_tokens

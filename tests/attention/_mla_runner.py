@@ -80,9 +80,16 @@ def install_step_check(stats: dict[str, Any]) -> None:
         stats["steps"] += 1
         stats["mixed_steps"] += bool(md.num_decodes and md.num_reqs > md.num_decodes)
         stats["extend_steps"] += bool(md.num_extends)
+        # context chunks forward_mha walked for this step (W // rows tokens per row, see there)
+        rows = md.num_reqs - md.num_decodes
+        if md.max_context_len and rows:
+            per_row = max(self.context_chunk_tokens // rows, 1)
+            per_row = per_row // 16 * 16 if per_row >= 16 else per_row
+            stats["max_context_chunks"] = max(stats["max_context_chunks"], -(-md.max_context_len // per_row))
+        stats["chunk_tokens"] = self.context_chunk_tokens
         return result
 
-    stats.update(max_diff=0.0, steps=0, mixed_steps=0, extend_steps=0)
+    stats.update(max_diff=0.0, steps=0, mixed_steps=0, extend_steps=0, max_context_chunks=0, chunk_tokens=None)
     ATOMMLAImpl.forward = forward
 
 

@@ -5,10 +5,11 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def mha_decorators():
+def attention_decorators():
     from atom.patches import apply
     from atom.plugin.vllm.patches import ATTENTION_DECORATORS
 
-    for record in ATTENTION_DECORATORS["mha"]:
-        apply(record, enabled=True)
+    for kind in ("mha", "mla"):
+        for record in ATTENTION_DECORATORS[kind]:
+            apply(record, enabled=True)
     yield

@@ -12,32 +12,49 @@ import torch
 
 from atom.patches import State, apply, is_applied, revert, status
 from atom.patches.signatures import shape, unwrap_descriptor
-from atom.plugin import attention, attention_mha
+from atom.plugin import attention, attention_mha, attention_mla
 from atom.plugin import register as plugin_register
 from atom.plugin.vllm import patches
 from tests.attention.test_backend import _common_metadata, _compatible, _selector
 from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 
 MHA = patches.ATTENTION_DECORATORS["mha"]
+MLA = patches.ATTENTION_DECORATORS["mla"]
 BASES = {
     "vllm.attention.mha_backend": (attention_mha.ATOMAttentionBackend, AttentionBackend, attention.VLLMBackendMethods),
     "vllm.attention.mha_builder": (attention_mha.ATOMAttentionMetadataBuilder, AttentionMetadataBuilder,
                                    attention.VLLMBuilderMethods),
     "vllm.attention.mha_impl": (attention_mha.ATOMAttentionImpl, AttentionImpl, attention_mha.VLLMMHAImplMethods),
+    "vllm.attention.mla_backend": (attention_mla.ATOMMLABackend, AttentionBackend,
+                                   attention_mla.VLLMMLABackendMethods),
+    "vllm.attention.mla_builder": (attention_mla.ATOMMLAMetadataBuilder, AttentionMetadataBuilder,
+                                   attention.VLLMBuilderMethods),
 }
+
+
+def _source_members(source) -> set:
+    """Every method a decorator source defines, its shared bases' included (the MLA backend's
+    source extends the shared one)."""
+    return {n for klass in source.__mro__[:-1] for n, v in vars(klass).items()
+            if callable(unwrap_descriptor(v)) and not n.startswith("__")}
 
 
 def test_member_lists_are_the_decorators_sources():
     assert patches.BACKEND_MEMBERS == attention.BACKEND_MEMBERS
     assert patches.BUILDER_MEMBERS == attention.BUILDER_MEMBERS
-    for record in MHA:
+    for record in MHA + MLA:
         cls, _, source = BASES[record.id]
         assert record.target == f"{cls.__module__}:{cls.__qualname__}"
-        declared = {n for n, v in vars(source).items() if callable(unwrap_descriptor(v)) and not n.startswith("__")}
-        assert set(record.members) == declared, record.id  # exactly what the source defines
+        assert record.source == f"{source.__module__}:{source.__qualname__}"
+        assert set(record.members) == _source_members(source), record.id  # exactly what the source defines
+    # MLA: the shared members plus is_mla; its overrides stay inside the shared member list
+    assert MLA[0].members == attention.BACKEND_MEMBERS + ("is_mla",)
+    assert set(vars(attention_mla.VLLMMLABackendMethods)) & set(_source_members(attention_mla.VLLMMLABackendMethods)) \
+        == {"is_mla", "supports_head_size", "supported_kv_cache_layouts"}
+    assert MLA[1].members == attention.BUILDER_MEMBERS
 
 
-@pytest.mark.parametrize("record", MHA, ids=lambda r: r.id)
+@pytest.mark.parametrize("record", MHA + MLA, ids=lambda r: r.id)
 def test_every_injected_member_fits_the_vllm_base(record):
     cls, base, _ = BASES[record.id]
     checked = []
@@ -47,6 +64,7 @@ def test_every_injected_member_fits_the_vllm_base(record):
             continue  # not on this release's base (get_kv_cache_shape from 0.29, do_kv_cache_update)
         ours = inspect.getattr_static(cls, name)
         assert ours is inspect.getattr_static(BASES[record.id][2], name)  # the injected object itself
+        assert name in vars(cls), name  # installed on atom's class itself
         if isinstance(theirs, staticmethod):
             # we inject a classmethod: vLLM calls both on the class, compare it bound (no ``cls``)
             ours, theirs = getattr(cls, name), theirs.__func__
@@ -125,3 +143,78 @@ def test_registered_and_listed():
     ids = {r.id for r in REGISTRY}
     assert {r.id for r in MHA} <= ids
     assert set(MHA) <= set(patches.VLLM_RECORDS)  # armed by register_model in every vLLM process
+
+
+def test_mla_revert_restores_the_classes_and_apply_makes_them_vllm_classes(tiny_model):
+    """The MLA backend and builder get vLLM's members from the shared decorators: reverted, the
+    classes hold only atom's declarations (the builder abstract again); applied, vLLM's own
+    CommonAttentionMetadata goes through the injected build / build_for_cudagraph_capture /
+    build_for_drafting into atom's MLA metadata."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    backend = attention_mla.ATOMMLABackend
+    builder_cls = attention_mla.ATOMMLAMetadataBuilder
+    config = EngineArgs(model=str(tiny_model("deepseek_v3", "float32")), max_model_len=128,
+                        dtype="float32").create_engine_config()
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    for record in MLA:
+        apply(record, enabled=True)
+        assert is_applied(record)
+    assert backend.is_mla() and backend.get_name() == "ATOM_MLA" and backend.get_builder_cls() is builder_cls
+    assert backend.get_impl_cls() is attention_mla.ATOMMLAImpl
+    assert backend.supported_kv_cache_layouts() is None and backend.supports_head_size(576)
+    try:
+        for record in MLA:
+            assert revert(record) is True
+        for record in MLA:
+            cls = BASES[record.id][0]
+            assert not set(record.members) & set(vars(cls)), record.id
+        assert backend.get_name is AttentionBackend.get_name and not backend.is_mla()  # vLLM's base
+        assert "build" in builder_cls.__abstractmethods__
+        with pytest.raises(TypeError, match="abstract"):
+            builder_cls(spec, ["l"], config, torch.device("cpu"))
+        assert {"layer_reasons", "kv_cache_shape"} <= set(vars(backend))  # atom's own declarations stay
+    finally:
+        for record in MLA:
+            assert apply(record, enabled=True).state is State.APPLIED
+    assert not builder_cls.__abstractmethods__ and backend.is_mla()
+    builder = builder_cls(spec, ["l"], config, torch.device("cpu"))
+    decode = _common_metadata("cpu")
+    decode.max_query_len = 1  # a decode-only batch (what full-graph capture builds)
+    qsl = torch.arange(decode.num_reqs + 1, dtype=torch.int32)
+    decode.query_start_loc, decode.query_start_loc_cpu = qsl, qsl
+    decode.num_actual_tokens = decode.num_reqs
+    md = builder.build_for_cudagraph_capture(decode)
+    assert isinstance(md, attention_mla.ATOMMLAMetadata)
+    assert md.max_seq_len == config.model_config.max_model_len and md.num_decodes == decode.num_reqs
+    mixed = _common_metadata("cpu")
+    with pytest.raises(ValueError, match="single-token decode"):
+        builder.build_for_cudagraph_capture(mixed)
+    drafted = builder.build_for_drafting(mixed, draft_index=0)
+    assert drafted.max_seq_len == mixed.max_seq_len and drafted.num_reqs == mixed.num_reqs
+    built = builder.build(0, mixed)
+    assert (built.num_decodes + built.num_extends + built.num_prefills) == mixed.num_reqs
+
+
+def test_disabled_mla_decorator_keeps_atoms_mla_backend_from_vllm(monkeypatch):
+    from tests.attention.test_mla_backend import _selector as mla_selector
+
+    monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", raising=False)
+    monkeypatch.setenv("ATOM_DISABLED_PATCHES", "vllm.attention.mla_backend")
+    try:
+        choice, why = plugin_register.select_attention_backend(mla_selector())
+        assert choice is None
+        assert why == "attention decorator vllm.attention.mla_backend is disabled: by ATOM_DISABLED_PATCHES"
+    finally:
+        monkeypatch.delenv("ATOM_DISABLED_PATCHES")
+        for record in MLA:
+            apply(record, enabled=True)
+    assert plugin_register.select_attention_backend(mla_selector())[0] == attention_mla.BACKEND_QUALNAME
+
+
+def test_mla_registered_and_listed():
+    from atom.patches import REGISTRY
+
+    assert {r.id for r in MLA} <= {r.id for r in REGISTRY}
+    assert set(MLA) <= set(patches.VLLM_RECORDS)

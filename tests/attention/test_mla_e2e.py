@@ -9,7 +9,9 @@ up to 0.47, when the same prompts run one at a time instead of batched; a dense-
 the checkpoint behaves the same, so it is not expert routing), so a chunked run
 cannot be compared token for token with an unchunked one. The chunked test therefore checks
 every step of atom's impl, inside the real engine, against dense MLA computed from the latent
-cache (``_mla_runner.install_step_check``).
+cache (``_mla_runner.install_step_check``); a run with a 16-token context workspace
+(``ATOM_MLA_CONTEXT_CHUNK_TOKENS``) walks the cached context in many chunks and gives the same
+tokens as the default workspace.
 """
 
 from __future__ import annotations
@@ -94,9 +96,15 @@ def test_same_greedy_tokens_as_vllm_cpu_mla(atom_side, stock):
         assert diff < 1e-3, f"prompt {i}: logprobs differ by {diff}"
 
 
-def test_chunked_prefill_and_prefix_caching_steps_match_dense_mla(checkpoint, tmp_path_factory):
-    ours, stderr = _run(checkpoint, tmp_path_factory.mktemp("mla-chunked"), "chunked",
-                        dict(runner.CHUNKED_KWARGS, check_steps=True), {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "0"})
+@pytest.fixture(scope="module")
+def chunked(checkpoint, tmp_path_factory):
+    """atom's backend with chunked prefill and prefix caching, default context workspace."""
+    return _run(checkpoint, tmp_path_factory.mktemp("mla-chunked"), "chunked",
+                dict(runner.CHUNKED_KWARGS, check_steps=True), {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "0"})
+
+
+def test_chunked_prefill_and_prefix_caching_steps_match_dense_mla(chunked):
+    ours, stderr = chunked
     assert ours["impls"] == ["ATOMMLAImpl"]
     # atom's platform kept what vLLM-CPU turns off for its own MLA backend
     assert ours["chunked_prefill"] and ours["prefix_caching"]
@@ -106,6 +114,25 @@ def test_chunked_prefill_and_prefix_caching_steps_match_dense_mla(checkpoint, tm
     # fp32: measured max |diff| ~4e-6 over every layer call of the run
     assert steps["max_diff"] < 1e-4, steps
     assert all(len(r["tokens"]) == n for r, (_, n) in zip(ours["rows"], _prompts()))
+
+
+def test_small_context_workspace_chunks_inside_the_engine(checkpoint, chunked, tmp_path_factory):
+    """ATOM_MLA_CONTEXT_CHUNK_TOKENS=16: extend rows walk their cached context (prefix-cache hits
+    and earlier prefill chunks, up to ~100 tokens) in many chunks of a few tokens each, merged by
+    LSE, inside the real engine; every step still equals dense MLA, and the greedy tokens equal
+    the default-workspace run (one chunk)."""
+    ours, _ = _run(checkpoint, tmp_path_factory.mktemp("mla-small-ws"), "small_ws",
+                   dict(runner.CHUNKED_KWARGS, check_steps=True),
+                   {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "0", "ATOM_MLA_CONTEXT_CHUNK_TOKENS": "16"})
+    steps, default_steps = ours["steps"], chunked[0]["steps"]
+    assert steps["chunk_tokens"] == 16 and default_steps["chunk_tokens"] > 16
+    assert steps["extend_steps"] > 0 and steps["max_context_chunks"] >= 4, steps  # measured: 7
+    assert default_steps["max_context_chunks"] == 1, default_steps
+    assert steps["max_diff"] < 1e-4, steps
+    for i, (a, b) in enumerate(zip(ours["rows"], chunked[0]["rows"])):
+        assert a["tokens"] == b["tokens"], f"prompt {i}"
+        diff = max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))
+        assert diff < 1e-3, f"prompt {i}: logprobs differ by {diff}"
 
 
 def test_disabled_falls_back_with_one_log_line(stock):

@@ -189,6 +189,57 @@ def test_reference_matches_dense_sdpa(window, sinks):
         torch.testing.assert_close(ref[qsl[s]:qsl[s + 1]], dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype,atol,rtol", TOLS)
+def test_lse_output(causal, dtype, atol, rtol):
+    """``lse``: Triton (every row through the prefill kernel, decode rows included) vs the
+    reference; a non-causal row with no keys gives output 0 and LSE -inf."""
+    q_lens, ctx_lens = [19, 1, 6, 1, 3], [19, 37, 30, 5, 0 if not causal else 3]
+    case = make_case(q_lens, ctx_lens, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype=dtype, seed=21)
+    t = sum(q_lens)
+    ref_lse = torch.full((t, 4), float("nan"), device=DEV)
+    lse = torch.full((t, 4), float("nan"), device=DEV)
+    out, ref = run_both(case, causal=causal, lse=lse)
+    paged_attention.run("torch", *case["args"], causal=causal, lse=ref_lse)
+    check(out, ref, atol, rtol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
+    if not causal:
+        assert (ref_lse[-3:] == float("-inf")).all() and (ref[-3:] == 0).all()
+
+
+def test_lse_merges_disjoint_key_sets():
+    """Attention over all keys == the LSE-weighted merge of attention over a split of the keys
+    (the identity MLA's chunked context relies on); independent of any kernel."""
+    case = make_case([5, 3], [20, 11], num_heads=2, num_kv_heads=2, head_size=32, block_size=4,
+                     dtype=torch.float32, seed=4, device="cpu")
+    q, kc, vc, bt, sl, qsl, mq, ms, scale = case["args"]
+    full = paged_attention.run("torch", *case["args"], causal=False)
+    cut = torch.tensor([8, 4])  # first part: keys [0, cut), second: [cut, seq_len)
+    parts = []
+    for lens, table in ((cut, bt), (sl - cut, None)):
+        if table is None:  # the second part: shift the keys to the front of a gathered cache
+            keys = [torch.stack([kc[bt[s, j // 4], j % 4] for j in range(int(cut[s]), int(sl[s]))])
+                    for s in range(2)]
+            vals = [torch.stack([vc[bt[s, j // 4], j % 4] for j in range(int(cut[s]), int(sl[s]))])
+                    for s in range(2)]
+            width = max(k.shape[0] for k in keys)
+            kcache = torch.zeros(2, width, 2, 32)
+            vcache = torch.zeros(2, width, 2, 32)
+            for s in range(2):
+                kcache[s, :keys[s].shape[0]], vcache[s, :vals[s].shape[0]] = keys[s], vals[s]
+            args = (q, kcache, vcache, torch.arange(2, dtype=torch.int32).view(2, 1), lens.int())
+        else:
+            args = (q, kc, vc, table, lens.int())
+        lse = torch.empty(q.shape[0], 2)
+        o = paged_attention.run("torch", *args, qsl, mq, ms, scale, causal=False, lse=lse)
+        parts.append((o, lse))
+    (o1, l1), (o2, l2) = parts
+    total = torch.logaddexp(l1, l2)
+    merged = o1 * torch.exp(l1 - total)[..., None] + o2 * torch.exp(l2 - total)[..., None]
+    torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)
+
+
 def paged_attention_torch_call(case, window, sinks):
     return paged_attention.run("torch", *case["args"], sliding_window=window, sinks=sinks)
 

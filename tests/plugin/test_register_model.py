@@ -52,6 +52,7 @@ def test_register_model_arms_vllm_patches():
         print("STATES", [str(status(r)) for r in VLLM_RECORDS])
         print("WRAPPED", hasattr(A.Attention.__dict__["process_weights_after_loading"], "__wrapped__"))
         import atom.plugin.attention_mha  # what vLLM imports by qualname once atom's backend is chosen
+        import atom.plugin.attention_mla  # (the MLA backend, for MLA layers)
         import atom.models.qwen3_moe  # what the model wrapper imports: the armed injections land
         print("LANDED", [str(status(r)) for r in VLLM_RECORDS])
     """)
@@ -61,9 +62,11 @@ def test_register_model_arms_vllm_patches():
     # backend module (imported only when vLLM picks it), the FusedMoE / Fp8Linear injections for
     # atom's model modules, which only the model wrapper imports.
     armed = "armed: waiting for import of atom.plugin.attention_mha"
-    assert (f"STATES ['applied', '{armed}', '{armed}', '{armed}', 'armed: waiting for import of atom.models._moe', "
+    armed_mla = "armed: waiting for import of atom.plugin.attention_mla"
+    assert (f"STATES ['applied', '{armed}', '{armed}', '{armed}', '{armed_mla}', '{armed_mla}', "
+            "'armed: waiting for import of atom.models._moe', "
             "'armed: waiting for import of atom.models._linear']") in proc.stdout, proc.stdout
-    assert "LANDED ['applied', 'applied', 'applied', 'applied', 'applied', 'applied']" in proc.stdout, proc.stdout
+    assert f"LANDED {['applied'] * 8}" in proc.stdout, proc.stdout
 
 
 def test_disabled_patch_is_not_applied():

@@ -34,7 +34,7 @@ ATTENTION_PWAL_DEFAULT = register(Patch(
     removal="when atom's model wrapper passes act_dtype itself everywhere",
 ))
 
-# -- attention decorators (atom.plugin.attention / attention_mha) ---------------------------------
+# -- attention decorators (atom.plugin.attention / attention_mha / attention_mla) ------------------
 # Member lists are spelled here (not imported from atom.plugin.attention, which imports vLLM);
 # tests/attention/test_decorators.py checks they equal BACKEND_MEMBERS / BUILDER_MEMBERS.
 BACKEND_MEMBERS = (
@@ -49,12 +49,16 @@ MHA_IMPL_MEMBERS = ("process_weights_after_loading", "do_kv_cache_update", "forw
 _VLLM_BACKEND = "vllm.v1.attention.backend"
 
 
-def backend_decorator(record_id: str, target: str) -> Injection:
+def backend_decorator(record_id: str, target: str,
+                      source: str = "atom.plugin.attention:VLLMBackendMethods",
+                      extra_members: tuple[str, ...] = (),
+                      extra_signatures: tuple[tuple[str, str], ...] = ()) -> Injection:
     """The backend decorator for one atom backend class (``"module:Class"``): vLLM's required
-    classmethods, from ``atom.plugin.attention:VLLMBackendMethods``. Shared by MHA and MLA."""
+    classmethods, from ``atom.plugin.attention:VLLMBackendMethods`` or a per-backend subclass of
+    it (``source``) that adds ``extra_members`` (MLA: ``is_mla``). Shared by MHA and MLA."""
     return Injection(
-        id=record_id, target=target, members=BACKEND_MEMBERS,
-        source="atom.plugin.attention:VLLMBackendMethods", base=f"{_VLLM_BACKEND}:AttentionBackend",
+        id=record_id, target=target, members=BACKEND_MEMBERS + extra_members,
+        source=source, base=f"{_VLLM_BACKEND}:AttentionBackend",
         # Only members every supported release declares with this shape are guarded
         # (get_kv_cache_shape is <= 0.28 only, supported_kv_cache_layouts >= 0.29, and
         # validate_configuration grows fields per release: atom's takes **newer_fields).
@@ -62,7 +66,7 @@ def backend_decorator(record_id: str, target: str) -> Injection:
             ("get_name", "()"), ("get_impl_cls", "()"), ("get_builder_cls", "()"),
             ("supports_head_size", "(cls, head_size)"), ("supports_sink", "(cls)"),
             ("supports_sliding_window", "(cls)"),
-        ),
+        ) + extra_signatures,
         vllm=SUPPORTED,
         reason="vLLM's selector, Attention layer and KV-cache manager call these on the backend class",
         upstream="vllm AttentionBackend (v1/attention/backend.py)",
@@ -108,11 +112,24 @@ MHA_IMPL = register(Injection(
 ))
 
 #: The decorators of each atom backend kind, applied before the backend is handed to vLLM.
+_MLA = "atom.plugin.attention_mla"
+#: What only an MLA backend adds to the shared backend members.
+MLA_BACKEND_EXTRA_MEMBERS = ("is_mla",)
+
+MLA_BACKEND = register(backend_decorator(
+    "vllm.attention.mla_backend", f"{_MLA}:ATOMMLABackend", source=f"{_MLA}:VLLMMLABackendMethods",
+    extra_members=MLA_BACKEND_EXTRA_MEMBERS, extra_signatures=(("is_mla", "(cls)"),)))
+MLA_BUILDER = register(builder_decorator("vllm.attention.mla_builder", f"{_MLA}:ATOMMLAMetadataBuilder"))
+# The MLA impl decorator (atom.mla.impl_plugin_mode) is declared next to the impl in
+# atom.plugin.attention_mla and applied by its enable_plugin_mode, with mla_patch.
+
 ATTENTION_DECORATORS: dict[str, tuple[Injection, ...]] = {
     "mha": (MHA_BACKEND, MHA_BUILDER, MHA_IMPL),
+    "mla": (MLA_BACKEND, MLA_BUILDER),
 }
 
-VLLM_RECORDS = (ATTENTION_PWAL_DEFAULT, MHA_BACKEND, MHA_BUILDER, MHA_IMPL, *MOE_RECORDS)
+VLLM_RECORDS = (ATTENTION_PWAL_DEFAULT, MHA_BACKEND, MHA_BUILDER, MHA_IMPL, MLA_BACKEND, MLA_BUILDER,
+                *MOE_RECORDS)
 
 
 def arm_all() -> dict[str, str]:
