@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -379,12 +380,13 @@ def test_gpu_fp8_paths_match_dequantized_reference(fp8_checkpoint, kind):
 
 
 # -- real vLLM engines -----------------------------------------------------------------------------
-def _engine_process_run(checkpoint: Path, prompts, work: Path, atom: bool = False) -> dict:
+def _engine_process_run(checkpoint: Path, prompts, work: Path, atom: bool = False,
+                        env_extra: Optional[dict] = None) -> dict:
     """One bf16 greedy run in its own process: stock vLLM (``ATOM_DISABLE_VLLM_PLUGIN=1``), or
     with ``atom`` the engine with atom active (asserted from its log)."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "prompts.json").write_text(json.dumps(prompts))
-    env = {**os.environ, **runner.ENGINE_ENV, "ATOM_DISABLE_VLLM_PLUGIN": "0" if atom else "1"}
+    env = {**os.environ, **runner.ENGINE_ENV, **(env_extra or {}), "ATOM_DISABLE_VLLM_PLUGIN": "0" if atom else "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.models._engine_runner", str(checkpoint), str(work / "prompts.json"),
          str(work / "out.json"), "bfloat16"],
@@ -475,11 +477,17 @@ def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(fp8_checkpoint, kind,
     """CUDA, real engines, the same fp8 checkpoint: atom's model (fp8 GEMMs per tensor, fp8
     fused MoE for block-scaled experts, dequantised block-scaled dense layers) vs stock vLLM's
     own fp8 kernels, bf16 activations, greedy. Both quantise activations their own way, so the
-    bound is fp8-sized (the model-alone GPU test above allows 1.0 on logits)."""
+    bounds are fp8-sized. Measured on the H100 (vLLM 0.26), per-tensor: teacher-forced max
+    |d logprob| 0.106, mean 0.024, sampled 0.077; 33% of tokens before the first divergence (the
+    tiny random model's near-ties flip under fp8 activation rounding: the logprob bounds are the
+    check, the agreement floor only catches a broken run)."""
     path = fp8_checkpoint(kind)
     prompts = mixed_prompts()
-    stock = _engine_process_run(path, prompts, tmp_path / "stock")
-    ours = _engine_process_run(path, prompts, tmp_path / "atom", atom=True)
+    # DeepGEMM (stock's block-fp8 GEMM on Hopper) JIT-compiles from headers that a wheel-only
+    # vLLM install may lack; its Triton/CUTLASS block-fp8 path is the same arithmetic.
+    env = {"VLLM_USE_DEEP_GEMM": "0"}
+    stock = _engine_process_run(path, prompts, tmp_path / "stock", env_extra=env)
+    ours = _engine_process_run(path, prompts, tmp_path / "atom", atom=True, env_extra=env)
     stats = greedy_run_stats(ours, stock)
     print(f"fp8 engine {kind}: atom vs stock {stats}")
-    assert_close_greedy_run(ours, stock, 1.0, prompt_atol=1.0, prompt_mean_atol=0.1, min_agreeing=0.5)
+    assert_close_greedy_run(ours, stock, 0.3, prompt_atol=0.3, prompt_mean_atol=0.05, min_agreeing=0.2)

@@ -50,12 +50,14 @@ class ATOMPlatform:
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
-        """The parent's, except that an MLA model served by atom's MLA backend keeps the user's
-        chunked prefill, prefix caching and token budget (vLLM-CPU turns them off for MLA
-        because its own CPU MLA backend cannot attend over cached context; atom's can)."""
+        """The parent's, plus atom's compile-cache factors (:func:`add_compile_cache_factors`);
+        and an MLA model served by atom's MLA backend keeps the user's chunked prefill, prefix
+        caching and token budget (vLLM-CPU turns them off for MLA because its own CPU MLA
+        backend cannot attend over cached context; atom's can)."""
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         before = (sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
         super().check_and_update_config(vllm_config)  # type: ignore[misc]
+        add_compile_cache_factors(vllm_config)
         after = (sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
         if after == before or vllm_config.model_config is None or not vllm_config.model_config.use_mla:
             return
@@ -64,3 +66,33 @@ class ATOMPlatform:
         if serves_model(vllm_config) is None:
             sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens = before
             info_once("mla-scheduling", "atom MLA backend: chunked prefill and prefix caching kept as configured", logger)
+
+
+def compile_cache_factors() -> dict[str, str]:
+    """What of atom shapes the graphs vLLM compiles: atom's version and every ATOM_* variable
+    that is set (raw strings). E.g. ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION moves QK-norm and
+    RoPE out of the model's traced graph into the attention impl."""
+    import os
+
+    import atom
+    from atom import envs
+
+    factors = {"version": getattr(atom, "__version__", "?")}
+    factors.update({n: os.environ[n].strip() for n in envs.VARIABLES if os.environ.get(n, "").strip()})
+    return factors
+
+
+def add_compile_cache_factors(vllm_config: Any) -> None:
+    """Put :func:`compile_cache_factors` into ``vllm_config.additional_config["atom"]``, which
+    ``VllmConfig.compute_hash`` hashes (vLLM's field for out-of-tree platforms), so vLLM's
+    torch.compile cache (keyed by that hash, the traced source files and vLLM's own env vars,
+    not by ours) never hands a graph compiled under one ATOM_* setting to a process running
+    another. Without it, toggling the QK-norm fusion reused the unfused graph while the impl
+    also normed: q/k normed and rotated twice (found on the H100, vLLM 0.26)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict):
+        extra["atom"] = compile_cache_factors()
+    else:  # a SupportsHash object of the user's: leave it alone, say so once
+        info_once("compile-cache-factors", "additional_config is not a dict: atom's settings are not part of "
+                  "vLLM's compile-cache key; clear the cache (VLLM_CACHE_ROOT) after changing ATOM_* variables",
+                  logger)
