@@ -149,20 +149,7 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
     cfg = getattr(transformers, cls_name)(
         vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
         max_position_embeddings=8192, initializer_range=init_std, torch_dtype="bfloat16", **kwargs)
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, init_std)
-    model.save_pretrained(out, safe_serialization=True)
-    params = sum(p.numel() for p in model.parameters())
-    del model
+    params = write_random_checkpoint(cfg, out, init_std)
     if name == "mla":  # transformers 5 drops these; vLLM needs them for the correction bias
         c = json.loads((out / "config.json").read_text())
         c.update(topk_method="noaux_tc", scoring_func="sigmoid")
@@ -171,6 +158,57 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
             "config": {k: v for k, v in kwargs.items() if not isinstance(v, list)}, "build_s": round(time.time() - t0, 1)}
     info_path.write_text(json.dumps(info, indent=1))
     return info
+
+
+def _one_d_init(name: str) -> float:
+    """HF's init of a model's 1-D parameters in the e2e architectures: norm weights 1, the rest
+    (DeepSeek's ``e_score_correction_bias``, any bias) 0."""
+    return 1.0 if name.endswith("norm.weight") else 0.0
+
+
+def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: int = 4 << 30,
+                            seed: int = 0) -> int:
+    """Save a random bf16 checkpoint of HF config ``cfg`` in ``out`` without materialising the
+    HF model: parameter names and shapes come from a model built on the meta device; matrices
+    are N(0, init_std) (drawn on the GPU when there is one: a 36-layer 8B model takes seconds,
+    not the minutes of HF's own init), 1-D parameters HF's init (:func:`_one_d_init`). Written as
+    ``model-0000i-of-0000n.safetensors`` shards + index, as ``save_pretrained`` does, with
+    ``config.json``. Returns the parameter count."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    cfg.architectures = [type(model).__name__]  # as save_pretrained records it (vLLM reads it)
+    del model
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, shape in shapes.items():
+        if len(shape) >= 2:
+            t = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, init_std, generator=gen)
+        else:
+            t = torch.full(shape, _one_d_init(name), dtype=torch.bfloat16, device=dev)
+        nbytes = t.numel() * 2
+        if size and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.cpu()
+        size += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    index: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        index.update({n: fname for n in shard})
+    total = sum(t.numel() for shard in shards for t in shard.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total * 2}, "weight_map": index}, indent=1))
+    cfg.save_pretrained(out)
+    return total
 
 
 def build_smoke_model(name: str, root: Path) -> dict:
