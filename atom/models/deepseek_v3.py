@@ -56,7 +56,7 @@ from atom.models._linear import (
     divide,
 )
 from atom.models._loading import StackedParams, load_checkpoint_weights
-from atom.models._moe import FusedMoE
+from atom.models._moe import FusedMoE, GroupedTopkRouter
 from atom.models.interfaces import AttentionFactory, ModelParallel
 
 #: DeepSeek's RoPE base when a config omits it.
@@ -194,46 +194,34 @@ class DeepseekV3MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class DeepseekV3Router(nn.Module):
+class DeepseekV3Router(GroupedTopkRouter):
     """HF ``mlp.gate``: ``weight`` ``[experts, hidden]`` (and, with sigmoid scoring,
-    ``e_score_correction_bias``); returns the routes with their final weights (normalised and
-    scaled by ``routed_scaling_factor``).
+    ``e_score_correction_bias``), both float32 as in :class:`GroupedTopkRouter`; returns the
+    routes with their final weights (normalised and scaled by ``routed_scaling_factor``).
 
-    * DeepSeek-V3 / Kimi-K2 (``scoring_func="sigmoid"``, ``topk_method="noaux_tc"``): grouped
-      sigmoid top-k with the correction bias, :func:`atom.ops.grouped_topk_sigmoid`.
+    * DeepSeek-V3 / Kimi-K2 (``scoring_func="sigmoid"``, ``topk_method="noaux_tc"``): the grouped
+      sigmoid top-k of :class:`GroupedTopkRouter` (:func:`atom.ops.grouped_topk_sigmoid`).
     * DeepSeek-V2-Lite (``scoring_func="softmax"``, ``topk_method="greedy"``): softmax top-k,
-      :func:`atom.ops.topk_softmax`, renormalised when ``norm_topk_prob``.
+      :func:`atom.ops.topk_softmax`, renormalised when ``norm_topk_prob``; no correction bias.
     """
 
     def __init__(self, hf_config: Any, num_experts: int) -> None:
-        super().__init__()
-        self.top_k = int(hf_config.num_experts_per_tok)
-        self.num_groups = int(getattr(hf_config, "n_group", None) or 1)
-        self.topk_groups = int(getattr(hf_config, "topk_group", None) or 1)
-        self.routed_scaling_factor = float(getattr(hf_config, "routed_scaling_factor", None) or 1.0)
-        self.sigmoid = routing_of(hf_config)[0] == "sigmoid"
-        self.renormalize = bool(getattr(hf_config, "norm_topk_prob", self.sigmoid))
-        # fp32 like atom.models._moe.GroupedTopkRouter: HF computes router logits in fp32, and a
-        # weight held so is not re-cast every step (the checkpoint's values load exactly).
-        self.weight = nn.Parameter(torch.empty(num_experts, hf_config.hidden_size, dtype=torch.float32),
-                                   requires_grad=False)
-        if self.sigmoid:
-            # fp32 in every checkpoint dtype (HF and vLLM keep it so; the sigmoid scores it
-            # shifts are compared across experts, where bf16 rounding would flip choices).
-            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
-                                                        requires_grad=False)
-
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        param = getattr(self, param_name)
-        if param.shape != loaded.shape:
-            raise ValueError(f"gate.{param_name}: checkpoint shape {tuple(loaded.shape)} != {tuple(param.shape)}")
-        param.data.copy_(loaded)
+        sigmoid = routing_of(hf_config)[0] == "sigmoid"
+        super().__init__(
+            hf_config.hidden_size, num_experts, int(hf_config.num_experts_per_tok),
+            num_groups=int(getattr(hf_config, "n_group", None) or 1),
+            topk_groups=int(getattr(hf_config, "topk_group", None) or 1),
+            routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", None) or 1.0),
+            renormalize=bool(getattr(hf_config, "norm_topk_prob", sigmoid)),
+        )
+        self.sigmoid = sigmoid
+        if not sigmoid:
+            del self.e_score_correction_bias  # softmax routing has none (nor does its checkpoint)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(hidden_states.float(), self.weight)
         if self.sigmoid:
-            return ops.grouped_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k, self.num_groups,
-                                            self.topk_groups, self.routed_scaling_factor, self.renormalize)
+            return super().forward(hidden_states)
+        logits = F.linear(hidden_states.float(), self.weight)
         weights, ids = ops.topk_softmax(logits, self.top_k, self.renormalize)
         return weights * self.routed_scaling_factor, ids
 
