@@ -22,6 +22,9 @@
 #            /tmp/atom-e2e-models on the machine (first build: ~0.5-2 min per model).
 #   agree    bench/agreement.py (AGREE_ARGS; default the dense model, stock fp32 as the reference,
 #            stock/atom in fp32, bf16 eager and bf16 with CUDA graphs) -> $OUT/agree/agree.json, .txt
+#   fusion   the QK-norm fusion A/B (bench/NOTES.md entry 5): bench/profile_e2e.py --side atom twice on
+#            the e2e2 dense checkpoint (FUSION_MODEL), ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=0 then 1
+#            -> $OUT/fusion/fusion{0,1}.{txt,json}
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 # Results land under $OUT, which the device tool brings back.
@@ -58,6 +61,13 @@ for step in "$@"; do
               timeout 590 python3 bench/agreement.py ${AGREE_ARGS:---model-kind dense} --budget "${AGREE_BUDGET:-500}" \
                   --out "$OUT/agree/agree.json" --workdir /tmp/agree-work > "$OUT/agree/agree.txt" 2>&1
               cp /tmp/agree-work/*.log /tmp/agree-work/*.json "$OUT/agree/" 2>/dev/null; tail -40 "$OUT/agree/agree.txt" ;;
+        fusion) mkdir -p "$OUT/fusion"
+              for f in 0 1; do
+                  ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=$f timeout 280 python3 bench/profile_e2e.py --side atom \
+                      --model "${FUSION_MODEL:-/tmp/atom-e2e-models/dense-L4-v32000}" --in 128 --out 128 --conc 256 \
+                      --timeout 270 --json "$OUT/fusion/fusion$f.json" > "$OUT/fusion/fusion$f.txt" 2>&1
+                  echo "fusion=$f"; grep -E "^\| |wall" "$OUT/fusion/fusion$f.txt" | head -10
+              done ;;
         profile) mkdir -p "$OUT/profile"
               timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \
                   --json "$OUT/profile/profile.json" > "$OUT/profile/profile.txt" 2>&1
