@@ -213,6 +213,16 @@ class VLLMBuilderMethods:
         return self.build(0, common_attn_metadata, fast_build=True)
 
 
+def graph_safe(op_names: tuple[str, ...]) -> bool:
+    """True when every op in ``op_names`` dispatches to its Triton kernel on this machine's
+    device: those are the kernels a builder's CUDA-graph support level is declared for (the
+    torch reference paths sync with the host and must not be captured)."""
+    import atom.ops as ops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return all(ops.OPS[name].backend_on(device)[0] == "triton" for name in op_names)
+
+
 def unsupported_reasons(backend: type, attn_selector_config: Any, device_capability: Any = None) -> list[str]:
     """``validate_configuration`` of ``backend`` for one ``AttentionSelectorConfig`` (NamedTuple),
     plus the backend's ``layer_reasons()`` when it declares them."""

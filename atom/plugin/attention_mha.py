@@ -33,11 +33,12 @@ per-tensor ``_k_scale`` / ``_v_scale``; attention dequantises with the same scal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from atom._logging import get_logger
+from atom.plugin.attention import graph_safe
 from atom.plugin.vllm import compat
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -160,14 +161,7 @@ class ATOMAttentionMetadataBuilder(AttentionMetadataBuilder[ATOMAttentionMetadat
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
-        import atom.ops as ops
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        graph_safe = all(
-            ops.OPS[name].backend_on(device)[0] == "triton"
-            for name in ("paged_attention", "reshape_and_cache")
-        )
-        return cls._cudagraph_support if graph_safe else AttentionCGSupport.NEVER
+        return cls._cudagraph_support if graph_safe(("paged_attention", "reshape_and_cache")) else AttentionCGSupport.NEVER
 
     def build_metadata(self, m: Any, for_capture: bool = False, fast: bool = False) -> ATOMAttentionMetadata:
         """atom's metadata from vLLM's ``CommonAttentionMetadata`` (host ints, device tensors).

@@ -57,7 +57,7 @@ import torch
 
 from atom._logging import get_logger
 from atom.patches import Injection, PatchError, apply, is_applied, status
-from atom.plugin.attention import VLLMBackendMethods
+from atom.plugin.attention import VLLMBackendMethods, graph_safe
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -181,14 +181,7 @@ class ATOMMLAMetadataBuilder(AttentionMetadataBuilder[ATOMMLAMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
-        import atom.ops as ops
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        graph_safe = all(
-            ops.OPS[name].backend_on(device)[0] == "triton"
-            for name in ("mla_decode", "mla_write_latent_cache")
-        )
-        return cls._cudagraph_support if graph_safe else AttentionCGSupport.NEVER
+        return cls._cudagraph_support if graph_safe(("mla_decode", "mla_write_latent_cache")) else AttentionCGSupport.NEVER
 
     def build_metadata(self, m: CommonAttentionMetadata, for_capture: bool = False,
                        fast: bool = False) -> ATOMMLAMetadata:
