@@ -4,25 +4,15 @@ teacher-forced top-1 agreement on the reference's sequences."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from tests._bench import load_bench
+
 
 
 @pytest.fixture(scope="module")
 def agreement():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("atom_bench_agreement", BENCH / "agreement.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("agreement")
 
 
 def _run(rows, tf):

@@ -4,14 +4,11 @@ missing or unexpected tensor, matrices drawn at the requested std, 1-D parameter
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from tests._bench import load_bench
+
 TINY = {
     "dense": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "moe": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -24,14 +21,7 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def e2e():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("atom_bench_e2e", BENCH / "e2e.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("e2e")
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -398,10 +398,6 @@ def _engine_process_run(checkpoint: Path, prompts, work: Path, atom: bool = Fals
     return run
 
 
-def _stock_run(checkpoint: Path, prompts, work: Path) -> dict:
-    return _engine_process_run(checkpoint, prompts, work)
-
-
 def _moe_facts(llm) -> dict:
     """What vLLM did to atom's FusedMoE layers in the engine."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -437,7 +433,7 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8
         pytest.skip("ATOM_DISABLE_VLLM_PLUGIN is set for this test process")
     path = fp8_checkpoint(kind)
     prompts = mixed_prompts()
-    stock = _stock_run(write_dequantized(path, tmp_path / "deq", "bfloat16"), prompts, tmp_path)
+    stock = _engine_process_run(write_dequantized(path, tmp_path / "deq", "bfloat16"), prompts, tmp_path)
 
     calls: list[tuple[str, str]] = []  # (layer class, the calling frames)
     method_cls = plugin_moe.post_load_method_class()

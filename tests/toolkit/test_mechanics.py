@@ -224,29 +224,24 @@ def test_record_validation():
         Injection(id="x", target="m:C", members=("a",), source="m:S", signatures=(("b", "()"),))
 
 
-def test_signature_guard_accepts_any_listed_shape():
+def test_signature_guard_accepts_any_listed_shape(monkeypatch):
     """A wrapper written for several releases lists one signature shape per release."""
-    from types import ModuleType
     import sys
+    from types import ModuleType
 
-    from atom.patches import Patch, State, apply, revert
+    import pytest
+
+    from atom.patches import Patch, PatchError, State, apply, revert
 
     mod = ModuleType("atom_sig_fixture")
     exec("class C:\n    def f(self, a, b=1):\n        return a + b\n", mod.__dict__)
-    sys.modules[mod.__name__] = mod
-    try:
-        ok = Patch(id="t.sig.any", target="atom_sig_fixture:C.f", replacement=lambda self, a, b=1: 0,
-                   signature=("(self, a)", "(self, a, b=...)"))
-        assert apply(ok, enabled=True).state is State.APPLIED
-        assert mod.C().f(1) == 0
-        assert revert(ok) and mod.C().f(1) == 2
-        bad = Patch(id="t.sig.none", target="atom_sig_fixture:C.f", replacement=lambda self, a: 0,
-                    signature=("(self, a)", "(self, x, b=...)"))
-        import pytest
-
-        from atom.patches import PatchError
-
-        with pytest.raises(PatchError, match=r"expected \(self, a\) or \(self, x, b=\.\.\.\)"):
-            apply(bad, enabled=True)  # explicitly requested: a refusal raises
-    finally:
-        del sys.modules[mod.__name__]
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    ok = Patch(id="t.sig.any", target="atom_sig_fixture:C.f", replacement=lambda self, a, b=1: 0,
+               signature=("(self, a)", "(self, a, b=...)"))
+    assert apply(ok, enabled=True).state is State.APPLIED
+    assert mod.C().f(1) == 0
+    assert revert(ok) and mod.C().f(1) == 2
+    bad = Patch(id="t.sig.none", target="atom_sig_fixture:C.f", replacement=lambda self, a: 0,
+                signature=("(self, a)", "(self, x, b=...)"))
+    with pytest.raises(PatchError, match=r"expected \(self, a\) or \(self, x, b=\.\.\.\)"):
+        apply(bad, enabled=True)  # explicitly requested: a refusal raises
