@@ -13,6 +13,7 @@ extension, which a CPU build does not have.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from atom._logging import get_logger, info_once
@@ -72,14 +73,11 @@ def compile_cache_factors() -> dict[str, str]:
     """What of atom shapes the graphs vLLM compiles: atom's version and every ATOM_* variable
     that is set (raw strings). E.g. ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION moves QK-norm and
     RoPE out of the model's traced graph into the attention impl."""
-    import os
-
     import atom
     from atom import envs
 
-    factors = {"version": getattr(atom, "__version__", "?")}
-    factors.update({n: os.environ[n].strip() for n in envs.VARIABLES if os.environ.get(n, "").strip()})
-    return factors
+    return {"version": atom.__version__,
+            **{n: os.environ[n].strip() for n in envs.VARIABLES if os.environ.get(n, "").strip()}}
 
 
 def add_compile_cache_factors(vllm_config: Any) -> None:
