@@ -356,14 +356,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 # ------------------------------------------------------------------------------------- serving
 def run_serve_side(side: str, model: str, vocab: int, args: argparse.Namespace, env: dict[str, str], workdir: Path,
-                   deadline: float) -> dict:
+                   deadline: float, extras: Optional[dict] = None, progress: Any = None) -> dict:
     """One ``vllm serve`` for this side: every serving cell, then (``--serve-agreement``) the greedy
     agreement prompts and (``--serve-profile``) one profiled cell. Returns {"cells", "startup_s",
     "agreement_tokens"?, "profile"?}."""
     from atom.testing import server
 
-    results: list[dict] = []
-    extras: dict[str, Any] = {}
+    extras = {} if extras is None else extras  # filled as cells finish (a killed call keeps them)
+    results: list[dict] = extras.setdefault("cells", [])
     server_args = ["--max-model-len", str(args.max_model_len + 64), "--max-num-seqs", str(max(args.serve_conc)),
                    "--dtype", args.dtype, "--seed", "0"]
     if args.eager:
@@ -396,12 +396,13 @@ def run_serve_side(side: str, model: str, vocab: int, args: argparse.Namespace, 
                     continue
                 results.append(serve_cell(side, srv.base_url, model, args, workdir,
                                           in_len, out_len, conc, serve_prompts(args, out_len, conc)))
+                if progress is not None:
+                    progress()
         if args.serve_agreement and args.agree_prompts and time.time() < deadline:
             extras["agreement_tokens"] = serve_greedy_tokens(srv, model, args, vocab)
             log(f"{side}: agreement run through the server, {args.agree_prompts} prompts")
         if prof_dir is not None and time.time() < deadline:
             extras["profile"] = serve_profile_cell(side, srv, model, args, workdir, prof_dir)
-    extras["cells"] = results
     return extras
 
 
@@ -773,10 +774,12 @@ def main(argv: list[str]) -> int:
                 if deadline - time.time() < 60:
                     serve[side] = {"cells": [{"skipped": "budget"}]}
                     continue
+                serve[side] = m.setdefault("serve_raw", {}).setdefault(side, {})
                 try:
-                    serve[side] = run_serve_side(side, model_path, info["vocab"], args, env, mdir, deadline)
+                    run_serve_side(side, model_path, info["vocab"], args, env, mdir, deadline, extras=serve[side],
+                                   progress=lambda: save(result, t_start, out_path, final=False))
                 except Exception as exc:
-                    serve[side] = {"cells": [{"error": repr(exc)[:2000]}]}
+                    serve[side].setdefault("cells", []).append({"error": repr(exc)[:2000]})
                     log(f"{name}: {side} serve failed: {exc!r}"[:600])
             rows = []
             for in_len, out_len in args.lengths:
@@ -799,6 +802,7 @@ def main(argv: list[str]) -> int:
             profiles = {s: serve[s]["profile"] for s in SIDES if s in serve and "profile" in serve[s]}
             if profiles:
                 m["profile"] = profiles
+            m.pop("serve_raw", None)  # now in "serve" / "agreement" / "profile"
         m["model_s"] = round(time.time() - tm, 1)
         log(f"{name}: done in {m['model_s']} s")
         save(result, t_start, out_path, final=False)  # partial results survive a killed call

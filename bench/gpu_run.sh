@@ -20,6 +20,13 @@
 #            Cells from E2E_ARGS (default: --models dense --lengths 128/128 --concurrency 1,32,256);
 #            E2E_BUDGET seconds (default 520) stops starting new cells. Checkpoints are cached in
 #            /tmp/atom-e2e-models on the machine (first build: ~0.5-2 min per model).
+#   table    the docs/performance.md end-to-end table for one model (TABLE_MODEL: dense | moe | mla;
+#            TABLE_LAYERS default 16 / 16 / 4): bench/e2e.py through one `vllm serve` per side (stock
+#            first), 128/128 and 1024/1024 (TABLE_LENGTHS) at concurrency 1, 32, 256 (TABLE_CONC):
+#            output tok/s, TTFT, TPOT per cell, greedy agreement through the servers (256 prompts),
+#            and one profiled cell (TABLE_PROFILE, default 128/128@256) -> kernel time by category.
+#            Other checkpoints under /tmp/atom-e2e-models are deleted first (disk). TABLE_ARGS adds
+#            e2e.py options (e.g. "--tp 2 --ep"). -> $OUT/table_<model>/e2e.json, e2e.txt, work/
 #   agree    bench/agreement.py (AGREE_ARGS; default the dense model, stock fp32 as the reference,
 #            stock/atom in fp32, bf16 eager and bf16 with CUDA graphs) -> $OUT/agree/agree.json, .txt
 #   fusion   the QK-norm fusion A/B (bench/NOTES.md entry 5): bench/profile_e2e.py --side atom twice on
@@ -57,6 +64,15 @@ for step in "$@"; do
                   --budget "${E2E_BUDGET:-520}" --out "$OUT/e2e2/e2e.json" --workdir "$OUT/e2e2/work" \
                   > "$OUT/e2e2/e2e.txt" 2>&1
               grep -E "^\[e2e|^\||^- |elapsed" "$OUT/e2e2/e2e.txt" | tail -60 ;;
+        table) m="${TABLE_MODEL:-dense}"; case "$m" in mla) l=4 ;; *) l=16 ;; esac; l="${TABLE_LAYERS:-$l}"
+              d="$OUT/table_$m"; mkdir -p "$d"
+              for c in /tmp/atom-e2e-models/*; do case "$c" in */$m-L$l-*) ;; *) rm -rf "$c" ;; esac; done
+              timeout "${TABLE_TIMEOUT:-585}" python3 bench/e2e.py --models "$m" --layers "$m=$l" \
+                  --lengths "${TABLE_LENGTHS:-128/128,1024/1024}" --concurrency "${TABLE_CONC:-1,32,256}" \
+                  --serve --skip-offline --serve-agreement --serve-max-out-tokens 32768 \
+                  --serve-profile "${TABLE_PROFILE:-128/128@256}" ${TABLE_ARGS:-} --budget "${E2E_BUDGET:-540}" \
+                  --out "$d/e2e.json" --workdir "$d/work" > "$d/e2e.txt" 2>&1
+              grep -E "^\[e2e|^\||^- |elapsed|FAILED|Error" "$d/e2e.txt" | tail -70 ;;
         agree) mkdir -p "$OUT/agree"
               timeout 590 python3 bench/agreement.py ${AGREE_ARGS:---model-kind dense} --budget "${AGREE_BUDGET:-500}" \
                   --out "$OUT/agree/agree.json" --workdir /tmp/agree-work > "$OUT/agree/agree.txt" 2>&1
