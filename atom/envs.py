@@ -92,6 +92,24 @@ def _parse_nonneg_int(name: str, raw: str) -> int:
     return value
 
 
+_TILE_ACCEPTED = ("auto, or BLOCK_H,BLOCK_N,num_warps,num_stages: BLOCK_H and BLOCK_N powers of two "
+                  "in 16..128, num_warps one of 1, 2, 4, 8, 16, num_stages 1..6")
+
+
+def _parse_tile(name: str, raw: str) -> "tuple[int, int, int, int] | None":
+    value = raw.strip().lower()
+    if value == "auto":
+        return None
+    try:
+        h, n, w, st = (int(x) for x in value.split(","))
+    except ValueError:
+        h = n = w = st = -1
+    pow2 = (16, 32, 64, 128)
+    if h not in pow2 or n not in pow2 or w not in (1, 2, 4, 8, 16) or not 1 <= st <= 6:
+        raise EnvError(f"{name}={raw!r} is not a valid value; accepted values: {_TILE_ACCEPTED}")
+    return h, n, w, st
+
+
 @dataclass(frozen=True)
 class EnvVar:
     """One environment variable: its name, type, default (as the raw string) and doc."""
@@ -173,6 +191,13 @@ VARIABLES: dict[str, EnvVar] = {
             "Tokens of cached context atom's MLA backend up-projects at a time for prefill/extend "
             "rows (its bounded workspace); 0 = sized from vLLM's config (see docs/attention.md).",
             _parse_nonneg_int, "an integer >= 0",
+        ),
+        EnvVar(
+            "ATOM_MLA_DECODE_TILE", "str", "auto",
+            "Tile of atom's Triton MLA decode kernel on GPUs: heads per program, KV tokens per step, "
+            "warps, pipeline stages (bench/mla_tiles.py measures the choices); auto = atom's default "
+            "for the latent width and dtype.",
+            _parse_tile, _TILE_ACCEPTED,
         ),
     )
 }

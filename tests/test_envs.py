@@ -62,6 +62,17 @@ def test_ops_backend(monkeypatch):
         envs.ATOM_OPS_BACKEND
 
 
+def test_mla_decode_tile(monkeypatch):
+    monkeypatch.delenv("ATOM_MLA_DECODE_TILE", raising=False)
+    assert envs.ATOM_MLA_DECODE_TILE is None  # auto
+    monkeypatch.setenv("ATOM_MLA_DECODE_TILE", " 64, 32,8,2")
+    assert envs.ATOM_MLA_DECODE_TILE == (64, 32, 8, 2)
+    for bad in ("64,32,8", "48,32,8,2", "64,32,3,2", "64,32,8,0", "big"):
+        monkeypatch.setenv("ATOM_MLA_DECODE_TILE", bad)
+        with pytest.raises(EnvError, match="ATOM_MLA_DECODE_TILE.*auto, or BLOCK_H,BLOCK_N,num_warps,num_stages"):
+            envs.ATOM_MLA_DECODE_TILE
+
+
 def test_unknown_variable():
     with pytest.raises(AttributeError):
         envs.ATOM_NOT_A_VARIABLE

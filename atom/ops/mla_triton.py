@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom import envs
 from atom.ops._dispatch import triton_interpreting
 from atom.ops.attention_triton import (choose_num_splits, dot_flags, next_pow2,
                                        split_kv_reduce)
@@ -167,6 +168,9 @@ def _mla_decode_kernel(
 
 
 def _decode_config(rank: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    tile = envs.ATOM_MLA_DECODE_TILE
+    if tile is not None:  # an explicit choice (bench/mla_tiles.py measures them)
+        return dict(zip(("BLOCK_H", "BLOCK_N", "num_warps", "num_stages"), tile))
     if triton_interpreting():
         return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:  # the exact-check path

@@ -150,6 +150,20 @@ def test_decode_explicit_splits_with_empty_partitions(num_splits):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tile", ["64,32,4,1", "32,64,8,2", "16,16,4,3"])
+def test_decode_explicit_tile(tile, monkeypatch):
+    """ATOM_MLA_DECODE_TILE (the tiles bench/mla_tiles.py sweeps) changes the kernel's tiling,
+    not its result; a BLOCK_H above the head count masks the extra rows."""
+    from atom.ops.mla_triton import _decode_config
+
+    monkeypatch.setenv("ATOM_MLA_DECODE_TILE", tile)
+    h, n, w, st = (int(x) for x in tile.split(","))
+    assert _decode_config(512) == dict(BLOCK_H=h, BLOCK_N=n, num_warps=w, num_stages=st)
+    args, ks = make_decode([5, 70, 33], 20, 32, 16, 8, torch.float32, seed=h + n)
+    out, ref = run_decode(args, ks)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_decode_fp8_latent_cache():
     args, ks = make_decode([17, 64, 3], 16, 64, 16, 16, torch.bfloat16, cache_dtype=FP8, seed=9)
     out, ref = run_decode(args, ks)
