@@ -22,7 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["EnvError", "EnvVar", "VARIABLES", "get", "is_set", "set_values", "OPS_BACKENDS"]
+__all__ = ["EnvError", "EnvVar", "VARIABLES", "get", "is_set", "set_values", "OPS_BACKENDS",
+           "COMPILE_ELEMENTWISE"]
 
 
 class EnvError(ValueError):
@@ -110,6 +111,23 @@ def _parse_tile(name: str, raw: str) -> "tuple[int, int, int, int] | None":
     return h, n, w, st
 
 
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    """A parser accepting exactly one of ``choices`` (case-insensitive)."""
+
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise EnvError(f"{name}={raw!r} is not a valid value; accepted values: {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+#: What atom's elementwise ops become while vLLM torch.compiles atom's models
+#: (see ATOM_COMPILE_ELEMENTWISE).
+COMPILE_ELEMENTWISE = ("inductor", "kernels")
+
+
 @dataclass(frozen=True)
 class EnvVar:
     """One environment variable: its name, type, default (as the raw string) and doc."""
@@ -185,6 +203,16 @@ VARIABLES: dict[str, EnvVar] = {
             "a model that lacks its support_torch_compile decorator; for A/B measurements and as "
             "an escape hatch if Dynamo cannot trace a model.",
             _parse_bool, _BOOL,
+        ),
+        EnvVar(
+            "ATOM_COMPILE_ELEMENTWISE", "choice", "inductor",
+            "While vLLM torch.compiles atom's models: `inductor` traces atom's elementwise ops "
+            "(RMSNorm with/without residual add, RoPE, SiLU-and-mul) as plain torch so Inductor "
+            "fuses them with neighbouring ops, as vLLM's own models are compiled; `kernels` keeps "
+            "each as one opaque atom-kernel node (`torch.ops.atom.*`). No effect without "
+            "torch.compile (eager / CUDA-graph-only runs always use atom's kernels); MoE routing "
+            "and experts and attention are unaffected.",
+            _choice(*COMPILE_ELEMENTWISE), ", ".join(COMPILE_ELEMENTWISE),
         ),
         EnvVar(
             "ATOM_MLA_CONTEXT_CHUNK_TOKENS", "int", "0",

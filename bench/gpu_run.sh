@@ -32,6 +32,9 @@
 #   fusion   the QK-norm fusion A/B (bench/NOTES.md entry 5): bench/profile_e2e.py --side atom twice on
 #            the e2e2 dense checkpoint (FUSION_MODEL), ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=0 then 1
 #            -> $OUT/fusion/fusion{0,1}.{txt,json}
+#   elementwise  the ATOM_COMPILE_ELEMENTWISE A/B: bench/profile_e2e.py --side atom twice on FUSION_MODEL,
+#            ATOM_COMPILE_ELEMENTWISE=kernels (one atom-kernel node per norm / RoPE / SiLU-and-mul) then
+#            =inductor (traced as plain torch, fused by Inductor) -> $OUT/elementwise/{kernels,inductor}.{txt,json}
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 # Results land under $OUT, which the device tool brings back.
@@ -83,6 +86,13 @@ for step in "$@"; do
                       --model "${FUSION_MODEL:-/tmp/atom-e2e-models/dense-L4-v32000}" --in 128 --out 128 --conc 256 \
                       --timeout 270 --json "$OUT/fusion/fusion$f.json" > "$OUT/fusion/fusion$f.txt" 2>&1
                   echo "fusion=$f"; grep -E "^\| |wall" "$OUT/fusion/fusion$f.txt" | head -10
+              done ;;
+        elementwise) mkdir -p "$OUT/elementwise"
+              for m in kernels inductor; do
+                  ATOM_COMPILE_ELEMENTWISE=$m timeout 280 python3 bench/profile_e2e.py --side atom \
+                      --model "${FUSION_MODEL:-/tmp/atom-e2e-models/dense-L4-v32000}" --in 128 --out 128 --conc 256 \
+                      --timeout 270 --json "$OUT/elementwise/$m.json" > "$OUT/elementwise/$m.txt" 2>&1
+                  echo "elementwise=$m"; grep -E "^\| |wall" "$OUT/elementwise/$m.txt" | head -10
               done ;;
         profile) mkdir -p "$OUT/profile"
               timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \

@@ -85,3 +85,16 @@ def test_set_values(monkeypatch):
         monkeypatch.delenv(n, raising=False)
     monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", "1")
     assert envs.set_values() == {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": True}
+
+
+def test_compile_elementwise_choice(monkeypatch):
+    monkeypatch.delenv("ATOM_COMPILE_ELEMENTWISE", raising=False)
+    assert envs.ATOM_COMPILE_ELEMENTWISE == "inductor"
+    for raw, expected in [("kernels", "kernels"), (" Inductor ", "inductor"), ("", "inductor")]:
+        monkeypatch.setenv("ATOM_COMPILE_ELEMENTWISE", raw)
+        assert envs.ATOM_COMPILE_ELEMENTWISE == expected, raw
+    monkeypatch.setenv("ATOM_COMPILE_ELEMENTWISE", "triton")
+    with pytest.raises(EnvError) as exc:
+        envs.ATOM_COMPILE_ELEMENTWISE
+    msg = str(exc.value)
+    assert "ATOM_COMPILE_ELEMENTWISE='triton'" in msg and "accepted values: inductor, kernels" in msg

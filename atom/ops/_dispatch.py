@@ -13,6 +13,11 @@ Each implementation may come with a ``supports(*args, **kwargs) -> str | None`` 
 returns ``None`` when it can run these arguments, or the reason it cannot (``auto`` then moves
 down the chain; a forced backend raises with that reason).
 
+While ``torch.compile`` traces (Dynamo), a call becomes the op's *inductor form* when it has one
+and ``ATOM_COMPILE_ELEMENTWISE=inductor`` (the default): plain torch code Inductor fuses with its
+neighbours (:mod:`atom.ops._graph` says more); otherwise its *graph form*, one opaque
+``torch.ops.atom.*`` node that dispatches as above at run time.
+
 ``Op.backend_for(...)`` answers which backend a call would use and why, without running it
 (``python -m atom doctor`` prints it). This module never imports vLLM.
 """
@@ -56,6 +61,13 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@torch.compiler.assume_constant_result
+def compile_elementwise() -> str:
+    """ATOM_COMPILE_ELEMENTWISE, read when Dynamo reaches the call and baked into the traced graph
+    as a constant (vLLM keys its compile cache by every set ATOM_* variable)."""
+    return envs.ATOM_COMPILE_ELEMENTWISE
+
+
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.Tensor):
@@ -77,6 +89,10 @@ class Op:
     #: What a call becomes while ``torch.compile`` traces (Dynamo): a ``torch.ops.atom.*`` custom
     #: op node (:mod:`atom.ops._graph`), or None to let Dynamo trace the call as it is.
     graph_form: Optional[Impl] = field(default=None, repr=False)
+    #: Plain torch code (same signature and semantics, in-place writes included) that Dynamo
+    #: traces instead of the graph form when ``ATOM_COMPILE_ELEMENTWISE=inductor``, so Inductor
+    #: fuses the op with its neighbours; None: the op is always a graph-form node when traced.
+    inductor_form: Optional[Impl] = field(default=None, repr=False)
     _impls: dict = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -145,9 +161,13 @@ class Op:
             return "error", str(exc)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.graph_form is not None and torch.compiler.is_compiling():
-            # One opaque node in the traced graph; at run time it dispatches as below.
-            return self.graph_form(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            if self.inductor_form is not None and compile_elementwise() == "inductor":
+                # Plain torch ops in the traced graph, for Inductor to fuse with its neighbours.
+                return self.inductor_form(*args, **kwargs)
+            if self.graph_form is not None:
+                # One opaque node in the traced graph; at run time it dispatches as below.
+                return self.graph_form(*args, **kwargs)
         backend, _ = self.backend_for(*args, **kwargs)
         return self._impls[backend](*args, **kwargs)
 

@@ -15,6 +15,17 @@ numbers are the eager op's numbers; Inductor compiles the glue between these nod
 layers, reshapes, residual adds), and vLLM splits the graph at its attention op for piecewise
 CUDA graphs.
 
+Elementwise ops (RMSNorm with and without the residual add, fp8 output included; RoPE; SiLU-and-mul)
+also have an *inductor form* (``Op.inductor_form``: their torch reference, fp32 math and one
+rounding as the kernels do, RoPE writing into its inputs in place), which Dynamo traces instead of
+the node below when ``ATOM_COMPILE_ELEMENTWISE=inductor`` (the default): Inductor then fuses them
+with their neighbours (residual add + RMSNorm, q/k-norm + RoPE, SiLU-and-mul into the next
+projection's input), as vLLM's own models are compiled, rather than launching one atom kernel per
+node; AOT functionalisation turns RoPE's in-place writes into functional updates. With
+``ATOM_COMPILE_ELEMENTWISE=kernels`` they stay the custom-op nodes below. MoE routing, the experts
+and attention always use atom's kernels. Eager and CUDA-graph-only runs (no torch.compile) never
+see either form.
+
 Covered: the calls atom's models make (RMSNorm with and without the fused residual add, fp8
 output included; RoPE in place; SiLU-and-mul; softmax and grouped-sigmoid top-k routing; fused MoE
 with expert biases and either activation). An op without a graph form is traced as it is (fine for pure-torch code; otherwise Dynamo reports where it

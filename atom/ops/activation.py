@@ -86,6 +86,8 @@ SILU_AND_MUL = register(
         aiter_impl=_silu_aiter,
         triton_supports=_silu_triton_supports,
         aiter_supports=_silu_aiter_supports,
+        # While torch.compile traces (ATOM_COMPILE_ELEMENTWISE=inductor): the reference as it is.
+        inductor_form=_silu_torch,
         doc="silu(x[..., :d]) * x[..., d:]",
     )
 )

@@ -219,6 +219,8 @@ RMS_NORM = register(
         aiter_impl=_rms_norm_aiter,
         triton_supports=_rms_norm_triton_supports,
         aiter_supports=_rms_norm_aiter_supports,
+        # While torch.compile traces (ATOM_COMPILE_ELEMENTWISE=inductor): the reference as it is.
+        inductor_form=_rms_norm_torch,
         doc="RMSNorm over the last dim (+ fused residual add, + static fp8 output)",
     )
 )

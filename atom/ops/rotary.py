@@ -175,6 +175,8 @@ ROTARY_EMBEDDING = register(
         aiter_impl=_rope_aiter,
         triton_supports=_rope_triton_supports,
         aiter_supports=_rope_triton_supports,  # aiter also rotates in place through views
+        # While torch.compile traces (ATOM_COMPILE_ELEMENTWISE=inductor): the reference as it is.
+        inductor_form=_rope_torch,
         doc="RoPE (NeoX / GPT-J, partial rotary) on query and key, in place",
     )
 )

