@@ -187,7 +187,7 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    shapes = checkpoint_shapes({n: tuple(p.shape) for n, p in model.state_dict().items()})
     cfg.architectures = [type(model).__name__]  # as save_pretrained records it (vLLM reads it)
     del model
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -216,6 +216,28 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
         {"metadata": {"total_size": total * 2}, "weight_map": index}, indent=1))
     cfg.save_pretrained(out)
     return total
+
+
+def checkpoint_shapes(shapes: dict[str, tuple]) -> dict[str, tuple]:
+    """The tensors ``save_pretrained`` writes for a model whose state dict is ``shapes``.
+
+    transformers 5 keeps a MoE layer's experts fused in memory (``experts.gate_up_proj``
+    ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``) and splits them on save into the
+    per-expert layout of the published checkpoints (``experts.<e>.{gate,up,down}_proj.weight``);
+    written fused, atom's loaders refuse the checkpoint (vLLM 0.26's accept it)."""
+    out: dict[str, tuple] = {}
+    for name, shape in shapes.items():
+        if name.endswith(".experts.gate_up_proj") and len(shape) == 3:
+            prefix, (e, two_i, h) = name[: -len("gate_up_proj")], shape
+            for i in range(e):
+                out[f"{prefix}{i}.gate_proj.weight"] = out[f"{prefix}{i}.up_proj.weight"] = (two_i // 2, h)
+        elif name.endswith(".experts.down_proj") and len(shape) == 3:
+            prefix, (e, h, inter) = name[: -len("down_proj")], shape
+            for i in range(e):
+                out[f"{prefix}{i}.down_proj.weight"] = (h, inter)
+        else:
+            out[name] = shape
+    return out
 
 
 def build_smoke_model(name: str, root: Path) -> dict:

@@ -2,6 +2,9 @@
 # Steps run on the GPU machine after ../shared/gpu/stage_vllm.py's parts are unpacked into
 # /tmp/site (see ../shared/gpu/README.md). Usage: bash bench/gpu_run.sh STEP [STEP ...]
 #   install  install the atom wheel carried in .stage/tools into /tmp/site (entry points visible)
+#   serve-deps  wheels carried in .stage/serve (uvicorn, prometheus-fastapi-instrumentator, aiohttp,
+#            ...: `pip download --no-deps --python-version 3.12` of what `vllm serve` and its
+#            benchmark client import but the staged vLLM strips) -> /tmp/site-serve
 #   facts    bench/vllm_facts.py               -> $OUT/facts.txt
 #   demo     scripts/demo.py (atom on vs off)  -> $OUT/demo.txt
 #   tests    GPU-marked tests (GPU_TESTS, default tests/) -> $OUT/gpu_tests.txt
@@ -39,12 +42,16 @@
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 # Results land under $OUT, which the device tool brings back.
 set -uo pipefail
-export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+# /tmp/site-serve (the `serve-deps` step): modules `vllm serve` needs that the staged vLLM lacks,
+# after /tmp/site and the machine's own packages in the search order, so they only fill gaps.
+export PYTHONPATH=/tmp/site:/tmp/site-serve HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
        VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 for step in "$@"; do
     echo "=== $step $(date +%T)"
     case "$step" in
+        serve-deps) python3 -m pip install -q --no-index --no-deps --target /tmp/site-serve .stage/serve/*.whl 2>&1 | tail -2
+              python3 -c "import uvicorn, prometheus_fastapi_instrumentator, vllm.entrypoints.openai.api_server; print('vllm serve imports ok')" 2>&1 | tail -2 ;;
         install) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .stage/tools/atom_vllm-*.whl 2>&1 | tail -2 ;;
         facts) python3 bench/vllm_facts.py > "$OUT/facts.txt" 2>&1; tail -5 "$OUT/facts.txt" ;;
         demo) timeout 400 python3 scripts/demo.py --out /tmp/demo > "$OUT/demo.txt" 2>&1; tail -8 "$OUT/demo.txt" ;;

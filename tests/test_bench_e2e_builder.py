@@ -19,6 +19,16 @@ TINY = {
 }
 
 
+def _tensor_shapes(folder) -> dict:
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return shapes
+
+
 @pytest.fixture(scope="module")
 def e2e():
     return load_bench("e2e")
@@ -33,6 +43,11 @@ def test_random_checkpoint_loads_into_hf_with_hf_1d_init(e2e, name, tmp_path):
                                              "tie_word_embeddings": False})
     params = e2e.write_random_checkpoint(cfg, tmp_path, 0.05, shard_bytes=64 << 10)
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1  # sharded, with an index
+    # the tensors (names and shapes) save_pretrained writes: per-expert MoE weights, as published
+    # checkpoints have them (atom's loaders do not take transformers 5's in-memory fused experts)
+    ref = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(ref)
+    assert _tensor_shapes(tmp_path) == _tensor_shapes(ref)
     assert transformers.AutoConfig.from_pretrained(tmp_path).architectures == [cls_name.replace("Config", "ForCausalLM")]
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]

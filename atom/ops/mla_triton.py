@@ -167,7 +167,7 @@ def _mla_decode_kernel(
                  lse, mask=hmask)
 
 
-def _decode_config(rank: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+def _decode_config(rank: int, dtype: torch.dtype = torch.bfloat16, num_heads: int = 128) -> dict:
     tile = envs.ATOM_MLA_DECODE_TILE
     if tile is not None:  # an explicit choice (bench/mla_tiles.py measures them)
         return dict(zip(("BLOCK_H", "BLOCK_N", "num_warps", "num_stages"), tile))
@@ -175,10 +175,12 @@ def _decode_config(rank: int, dtype: torch.dtype = torch.bfloat16) -> dict:
         return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:  # the exact-check path
         return dict(BLOCK_H=16, BLOCK_N=16, num_warps=8, num_stages=1)
-    # 512-wide latent rows: a [BLOCK_H, 512] fp32 accumulator per program; BLOCK_H=32 with 8
-    # warps keeps it at 64 registers per thread and halves the latent reads of BLOCK_H=16
     if rank <= 512:
-        return dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2)
+        # 512-wide latent rows. The H100 sweep (bench/mla_tiles.py, docs/performance.md): 64 heads
+        # x 64 keys, 8 warps, 2 stages is 1.98x the former 32 x 32 tile at DeepSeek-V3 sizes (a
+        # wgmma-sized M, and half the latent re-reads: one per 64 heads). Fewer heads (a TP shard)
+        # take the smallest power of two >= 16 that covers them.
+        return dict(BLOCK_H=min(64, max(16, next_pow2(num_heads))), BLOCK_N=64, num_warps=8, num_stages=2)
     return dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2)
 
 
@@ -194,7 +196,7 @@ def mla_decode_fwd(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch
         out = q_nope.new_empty(num_tokens, num_heads, rank)
     if num_tokens == 0:
         return out
-    cfg = _decode_config(rank, q_nope.dtype)
+    cfg = _decode_config(rank, q_nope.dtype, num_heads)
     upcast, prec = dot_flags(q_nope.dtype)
     # without max_seq_len the block table's width bounds the context (no host sync)
     max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * latent_cache.shape[1]
