@@ -440,9 +440,12 @@ def serve_prompts(args: argparse.Namespace, out_len: int, conc: int) -> int:
 def serve_cell(side: str, base_url: str, model: str, args: argparse.Namespace, workdir: Path, in_len: int,
                out_len: int, conc: int, n: int, tag: str = "", warmup: Optional[bool] = None) -> dict:
     """One ``vllm bench serve`` run (random dataset, ``--max-concurrency`` C, ignore_eos) after an
-    untimed warm-up of min(C, 8) prompts with the same prompt length (first-shape JIT). Each cell
-    draws its own prompts (seeded by the cell, the same on both sides), so vLLM's prefix cache
-    never serves one cell's prompts from another's."""
+    untimed warm-up of C prompts of the same length with 16 output tokens: the batch shapes of the
+    cell (C-row prefill, C-row decode) are then compiled and autotuned on both sides before the
+    timing starts (the first H100 table, warmed with min(C, 8) prompts, timed one-off stalls of
+    1-3 s on whichever side met a shape first). Each cell draws its own prompts (seeded by the
+    cell, the same on both sides), so vLLM's prefix cache never serves one cell's prompts from
+    another's."""
     fname = f"{side}_serve{tag}_{in_len}_{out_len}_c{conc}.json"
     seed = 7919 * conc + 31 * in_len + out_len + (1 if tag else 0)
     common = ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
@@ -453,8 +456,8 @@ def serve_cell(side: str, base_url: str, model: str, args: argparse.Namespace, w
     tc = time.time()
     try:
         if args.serve_warmup if warmup is None else warmup:
-            bench_serve([*common, "--seed", str(seed + 100_003), "--random-output-len", str(min(out_len, 32)),
-                         "--num-prompts", str(min(conc, 8))], log_path)
+            bench_serve([*common, "--seed", str(seed + 100_003), "--random-output-len", str(min(out_len, 16)),
+                         "--num-prompts", str(conc)], log_path)
         r = bench_serve([*common, "--seed", str(seed), "--random-output-len", str(out_len), "--num-prompts", str(n),
                          "--save-result", "--result-dir", str(workdir), "--result-filename", fname], log_path)
     except BaseException as exc:  # SystemExit from argparse included: report, keep going
