@@ -460,7 +460,7 @@ def serve_cell(side: str, base_url: str, model: str, args: argparse.Namespace, w
                          "--num-prompts", str(conc)], log_path)
         r = bench_serve([*common, "--seed", str(seed), "--random-output-len", str(out_len), "--num-prompts", str(n),
                          "--save-result", "--result-dir", str(workdir), "--result-filename", fname], log_path)
-    except BaseException as exc:  # SystemExit from argparse included: report, keep going
+    except (Exception, SystemExit) as exc:  # SystemExit: an argparse error; report, keep going
         log(f"{side}: serve {in_len}/{out_len} c={conc}: FAILED {exc!r}"[:400])
         return {"in": in_len, "out": out_len, "conc": conc, "error": repr(exc)[:1500]}
     keep = {k: r.get(k) for k in ("completed", "duration", "total_output_tokens", "output_throughput",
