@@ -45,7 +45,7 @@ def load_checkpoint_weights(
     pending: dict[str, set[Hashable]] = {}
     loaded: set[str] = set()
     with torch.no_grad():
-        for name, tensor in weights:
+        for name, tensor in _split_fused_experts(weights, params, by_part, longest):
             if skip is not None and skip(name):
                 continue
             target, shard_id, fused_name = _stacked_target(name, by_part, longest)
@@ -69,6 +69,36 @@ def load_checkpoint_weights(
             if not missing:
                 loaded.add(target)
     return loaded
+
+
+#: transformers 5 keeps a MoE layer's experts fused in memory: ``experts.gate_up_proj``
+#: ``[E, 2I, H]`` (gate rows first) and ``experts.down_proj`` ``[E, H, I]``. ``save_pretrained``
+#: splits them into the published per-expert layout, but checkpoints written from the in-memory
+#: state keep them fused, and vLLM loads those too.
+_FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _split_fused_experts(
+    weights: Iterable[tuple[str, torch.Tensor]], params: dict, by_part: dict, longest: int
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights`` with transformers 5's fused expert tensors replaced by the per-expert tensors
+    ``save_pretrained`` writes (``experts.<e>.{gate,up,down}_proj.weight``), for models that load
+    per-expert names. A model that has a parameter of that name itself (GPT-OSS's fused experts)
+    gets the tensor as it is."""
+    for name, tensor in weights:
+        if (not name.endswith(_FUSED_EXPERTS) or tensor.dim() != 3
+                or _stacked_target(name, by_part, longest)[0] in params):
+            yield name, tensor
+            continue
+        prefix = name[: name.rindex(".experts.") + len(".experts.")]
+        if name.endswith("gate_up_proj"):
+            inter = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :inter]
+                yield f"{prefix}{e}.up_proj.weight", tensor[e, inter:]
+        else:
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", tensor[e]
 
 
 def _stacked_target(
