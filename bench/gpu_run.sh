@@ -83,7 +83,8 @@ for step in "$@"; do
                   --serve-profile "${TABLE_PROFILE:-128/128@256}" ${TABLE_ARGS:-} --budget "${E2E_BUDGET:-540}" \
                   --out "$d/e2e.json" --workdir "$d/work" > "$d/e2e.txt" 2>&1
               for f in "$d"/work/*/vllm-serve-*.log; do   # flat copies: nested folders do not come back
-                  grep -E "ERROR|Error|Traceback|atom\]" "$f" | tail -80 > "$d/$(basename "$f" .log).errors.txt"; done
+                  { grep -E "EngineCore.*(ERROR|Error|Traceback)|Worker.*(ERROR|Error)" "$f" | head -150
+                    grep -E "ERROR|Error|Traceback|atom\]" "$f" | tail -40; } > "$d/$(basename "$f" .log).errors.txt"; done
               grep -E "^\[e2e|^\||^- |elapsed|FAILED|Error" "$d/e2e.txt" | tail -70 ;;
         agree) mkdir -p "$OUT/agree"
               timeout 590 python3 bench/agreement.py ${AGREE_ARGS:---model-kind dense} --budget "${AGREE_BUDGET:-500}" \
