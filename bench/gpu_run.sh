@@ -32,12 +32,12 @@
 #            e2e.py options (e.g. "--tp 2 --ep"). -> $OUT/table_<model>/e2e.json, e2e.txt, work/
 #   agree    bench/agreement.py (AGREE_ARGS; default the dense model, stock fp32 as the reference,
 #            stock/atom in fp32, bf16 eager and bf16 with CUDA graphs) -> $OUT/agree/agree.json, .txt
-#   fusion   the QK-norm fusion A/B (bench/NOTES.md entry 5): bench/profile_e2e.py --side atom twice on
-#            the e2e2 dense checkpoint (FUSION_MODEL), ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=0 then 1
-#            -> $OUT/fusion/fusion{0,1}.{txt,json}
-#   elementwise  the ATOM_COMPILE_ELEMENTWISE A/B: bench/profile_e2e.py --side atom twice on FUSION_MODEL,
-#            ATOM_COMPILE_ELEMENTWISE=kernels (one atom-kernel node per norm / RoPE / SiLU-and-mul) then
-#            =inductor (traced as plain torch, fused by Inductor) -> $OUT/elementwise/{kernels,inductor}.{txt,json}
+#   fusion   the QK-norm fusion A/B (bench/NOTES.md entry 5), ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=0
+#            then 1 -> $OUT/fusion/{0,1}.{txt,json}
+#   elementwise  the ATOM_COMPILE_ELEMENTWISE A/B: =kernels (one atom-kernel node per norm / RoPE /
+#            SiLU-and-mul) then =inductor (fused by Inductor) -> $OUT/elementwise/{kernels,inductor}.{txt,json}
+#            Both: ab_profile below, bench/profile_e2e.py --side atom on FUSION_MODEL (default the
+#            `table` step's dense checkpoint), 128/128 at C=256.
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 # Results land under $OUT, which the device tool brings back.
@@ -47,6 +47,19 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/site-serve HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
        VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+
+# ab_profile NAME VAR VALUE... : bench/profile_e2e.py --side atom on FUSION_MODEL once per VALUE of
+# the atom variable VAR (dense, 128/128, C=256) -> $OUT/NAME/VALUE.{txt,json}
+ab_profile() {
+    local name=$1 var=$2; shift 2
+    mkdir -p "$OUT/$name"
+    for v in "$@"; do
+        env "$var=$v" timeout 280 python3 bench/profile_e2e.py --side atom \
+            --model "${FUSION_MODEL:-/tmp/atom-e2e-models/dense-L16-v32000}" --in 128 --out 128 --conc 256 \
+            --timeout 270 --json "$OUT/$name/$v.json" > "$OUT/$name/$v.txt" 2>&1
+        echo "$var=$v"; grep -E "^\| |wall" "$OUT/$name/$v.txt" | head -10
+    done
+}
 for step in "$@"; do
     echo "=== $step $(date +%T)"
     case "$step" in
@@ -90,20 +103,8 @@ for step in "$@"; do
               timeout 590 python3 bench/agreement.py ${AGREE_ARGS:---model-kind dense} --budget "${AGREE_BUDGET:-500}" \
                   --out "$OUT/agree/agree.json" --workdir /tmp/agree-work > "$OUT/agree/agree.txt" 2>&1
               cp /tmp/agree-work/*.log /tmp/agree-work/*.json "$OUT/agree/" 2>/dev/null; tail -40 "$OUT/agree/agree.txt" ;;
-        fusion) mkdir -p "$OUT/fusion"
-              for f in 0 1; do
-                  ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=$f timeout 280 python3 bench/profile_e2e.py --side atom \
-                      --model "${FUSION_MODEL:-/tmp/atom-e2e-models/dense-L4-v32000}" --in 128 --out 128 --conc 256 \
-                      --timeout 270 --json "$OUT/fusion/fusion$f.json" > "$OUT/fusion/fusion$f.txt" 2>&1
-                  echo "fusion=$f"; grep -E "^\| |wall" "$OUT/fusion/fusion$f.txt" | head -10
-              done ;;
-        elementwise) mkdir -p "$OUT/elementwise"
-              for m in kernels inductor; do
-                  ATOM_COMPILE_ELEMENTWISE=$m timeout 280 python3 bench/profile_e2e.py --side atom \
-                      --model "${FUSION_MODEL:-/tmp/atom-e2e-models/dense-L4-v32000}" --in 128 --out 128 --conc 256 \
-                      --timeout 270 --json "$OUT/elementwise/$m.json" > "$OUT/elementwise/$m.txt" 2>&1
-                  echo "elementwise=$m"; grep -E "^\| |wall" "$OUT/elementwise/$m.txt" | head -10
-              done ;;
+        fusion) ab_profile fusion ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION 0 1 ;;
+        elementwise) ab_profile elementwise ATOM_COMPILE_ELEMENTWISE kernels inductor ;;
         profile) mkdir -p "$OUT/profile"
               timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \
                   --json "$OUT/profile/profile.json" > "$OUT/profile/profile.txt" 2>&1
