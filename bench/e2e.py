@@ -256,17 +256,9 @@ def prompts_for(rng: random.Random, n: int, length: int, vocab: int) -> list[dic
 def offline_child(spec: dict) -> dict:
     """One side's engine: every requested cell, then the agreement run. Runs in its own process."""
     t_start = time.perf_counter()
-    import torch
-    import vllm
     from vllm import LLM, SamplingParams
 
-    res: dict[str, Any] = {"side": spec["side"], "vllm": vllm.__version__, "torch": torch.__version__}
-    try:
-        import triton
-
-        res["triton"] = triton.__version__
-    except ImportError:
-        res["triton"] = None
+    res: dict[str, Any] = {"side": spec["side"]}
     res["import_s"] = round(time.perf_counter() - t_start, 1)
     t0 = time.perf_counter()
     llm = LLM(**spec["llm_kwargs"])
@@ -323,7 +315,7 @@ def offline_child(spec: dict) -> dict:
         res["agreement_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         res["agreement_s"] = round(time.perf_counter() - t1, 1)
         log(f"{spec['side']}: agreement run, {n_agree} prompts {in_len}/{out_len}, {res['agreement_s']} s")
-    res["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    res.update(client_versions())  # after LLM(): CUDA is not touched before the engine starts
     res["process_s"] = round(time.perf_counter() - t_start, 1)
     return res
 

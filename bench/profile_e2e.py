@@ -94,12 +94,17 @@ def profile_side(args: argparse.Namespace) -> dict:
                     "::" in evt.key):  # operators only (aten::, atom::, vllm::, _C::)
                 continue
         kernels[evt.key] = {"us": float(us), "calls": int(evt.count), "category": category(evt.key)}
+    return {"side": args.side, "time_kind": "device" if gpu else "self-cpu", "wall_s": round(wall, 3),
+            "categories_us": by_category(kernels), "kernels": kernels,
+            "out_tokens": args.conc * args.out_len}
+
+
+def by_category(kernels: dict[str, dict]) -> dict[str, float]:
+    """Summed time per category of ``{name: {"us", "category", ...}}``."""
     cats: dict[str, float] = {}
     for k in kernels.values():
         cats[k["category"]] = cats.get(k["category"], 0.0) + k["us"]
-    return {"side": args.side, "time_kind": "device" if gpu else "self-cpu", "wall_s": round(wall, 3),
-            "categories_us": cats, "kernels": kernels,
-            "out_tokens": args.conc * args.out_len}
+    return cats
 
 
 def summarize_trace(path: Path) -> dict:
@@ -122,10 +127,7 @@ def summarize_trace(path: Path) -> dict:
         k = by_name.setdefault(e["name"], {"us": 0.0, "calls": 0, "category": category(e["name"])})
         k["us"] += float(e.get("dur", 0.0))
         k["calls"] += 1
-    cats: dict[str, float] = {}
-    for k in by_name.values():
-        cats[k["category"]] = cats.get(k["category"], 0.0) + k["us"]
-    return {"time_kind": kind, "categories_us": cats, "kernels": by_name, "events": len(kernels)}
+    return {"time_kind": kind, "categories_us": by_category(by_name), "kernels": by_name, "events": len(kernels)}
 
 
 def report(results: dict[str, dict], top: int) -> str:

@@ -103,14 +103,19 @@ def _common_metadata(block_table, seq_lens, q_lens, slots) -> CommonAttentionMet
     )
 
 
+def _force_triton(monkeypatch) -> None:
+    """Run the impl's MLA ops on their Triton kernels (a GPU, or Triton's CPU interpreter)."""
+    from atom.ops._dispatch import triton_available
+
+    if not torch.cuda.is_available() and (not triton_available() or os.environ.get("TRITON_INTERPRET") != "1"):
+        pytest.skip("needs a GPU or Triton's interpreter")
+    monkeypatch.setenv("ATOM_OPS_BACKEND", "mla_decode=triton,mla_write_latent_cache=triton,paged_attention=triton")
+
+
 @pytest.mark.parametrize("rank,ops_backend", [(64, "auto"), (512, "auto"), (64, "triton")])
 def test_impl_matches_dense_mla(vllm_config, plugin_mode, rank, ops_backend, monkeypatch):
     if ops_backend == "triton":
-        from atom.ops._dispatch import triton_available
-
-        if not torch.cuda.is_available() and (not triton_available() or os.environ.get("TRITON_INTERPRET") != "1"):
-            pytest.skip("needs a GPU or Triton's interpreter")
-        monkeypatch.setenv("ATOM_OPS_BACKEND", "mla_decode=triton,mla_write_latent_cache=triton,paged_attention=triton")
+        _force_triton(monkeypatch)
     torch.manual_seed(0)
     kv_b_proj = _KvBProj(rank)
     impl = _impl(rank, kv_b_proj)
@@ -225,11 +230,7 @@ def test_chunked_context_matches_dense_mla(vllm_config, plugin_mode, chunk_token
     """Context walked in chunks of W // rows tokens per row (1 .. 16 of them here; W=4096: one
     chunk), partial outputs merged by their LSEs: equal to dense MLA over the whole context."""
     if ops_backend == "triton":
-        from atom.ops._dispatch import triton_available
-
-        if not torch.cuda.is_available() and (not triton_available() or os.environ.get("TRITON_INTERPRET") != "1"):
-            pytest.skip("needs a GPU or Triton's interpreter")
-        monkeypatch.setenv("ATOM_OPS_BACKEND", "mla_decode=triton,mla_write_latent_cache=triton,paged_attention=triton")
+        _force_triton(monkeypatch)
     output, refs, md = _run_chunked_step(vllm_config, 64, _CHUNKED_STEP, chunk_tokens, seed=chunk_tokens)
     assert (md.num_decodes, md.num_extends, md.num_prefills, md.max_context_len) == (2, 3, 1, 150)
     start = 0
