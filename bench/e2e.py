@@ -17,7 +17,10 @@ For each model (random weights, realistic dims, fewer layers) it runs, in one in
    cell. ``--serve --skip-offline --serve-agreement`` measures everything with one engine per
    side (the greedy agreement then goes through ``/v1/completions``); ``--serve-profile IN/OUT@C``
    adds one cell under vLLM's own torch profiler in each server and a kernel-time table by
-   category (bench/profile_e2e.py's categories).
+   category (bench/profile_e2e.py's categories). ``--serve-batch`` adds, after each serving cell,
+   the offline-style throughput of that cell on the same server: C fresh prompts in one
+   non-streaming request, so per-token streaming through the API server and the client (which
+   may limit the streaming cells at high concurrency) does not enter it.
 
 Models (``--models``): ``dense`` (Qwen3-8B dims: hidden 4096, 32 q / 8 kv heads, head 128, ffn
 12288), ``moe`` (Qwen3-30B-A3B dims: hidden 2048, 32/4 heads, 128 experts top-8, expert ffn 768),
@@ -408,8 +411,11 @@ def run_serve_side(side: str, model: str, vocab: int, args: argparse.Namespace, 
                 if time.time() > deadline:
                     results.append({"in": in_len, "out": out_len, "conc": conc, "skipped": "budget"})
                     continue
-                results.append(serve_cell(side, srv.base_url, model, args, workdir,
-                                          in_len, out_len, conc, serve_prompts(args, out_len, conc)))
+                cell = serve_cell(side, srv.base_url, model, args, workdir, in_len, out_len, conc,
+                                  serve_prompts(args, out_len, conc))
+                if args.serve_batch and "error" not in cell and time.time() < deadline:
+                    cell.update(batch_cell(side, srv, model, vocab, in_len, out_len, conc))
+                results.append(cell)
                 if progress is not None:
                     progress()
         if args.serve_agreement and args.agree_prompts and time.time() < deadline:
@@ -486,6 +492,27 @@ def bench_serve(argv: list[str], log_path: Path) -> dict:
         return main(parser.parse_args(argv))
 
 
+def batch_cell(side: str, srv: Any, model: str, vocab: int, in_len: int, out_len: int, conc: int) -> dict:
+    """The cell's throughput as an offline run measures it, on the same server: C fresh prompts in
+    one non-streaming ``/v1/completions`` request (greedy, ``ignore_eos``), so the engine holds
+    all C at once and nothing streams per token; output tokens over the request's wall time.
+    The streaming cell just before it has compiled the cell's shapes. Returns {"batch_tok_s",
+    "batch_s"} (or {"batch_error"})."""
+    seed = 7919 * conc + 31 * in_len + out_len + 2  # not the streaming cell's prompts (prefix cache)
+    prompts = [p["prompt_token_ids"] for p in prompts_for(random.Random(seed), conc, in_len, vocab)]
+    t0 = time.perf_counter()
+    status, body = srv.post("/v1/completions", {
+        "model": model, "prompt": prompts, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True},
+        timeout=900)
+    dt = time.perf_counter() - t0
+    if status != 200:
+        log(f"{side}: batch {in_len}/{out_len} x{conc}: HTTP {status}")
+        return {"batch_error": f"HTTP {status}: {str(body)[:300]}"}
+    tokens = int((body.get("usage") or {}).get("completion_tokens") or conc * out_len)
+    log(f"{side}: batch {in_len}/{out_len} x{conc}: {tokens / dt:,.1f} out tok/s in {dt:.1f} s")
+    return {"batch_tok_s": round(tokens / dt, 1), "batch_s": round(dt, 3), "batch_tokens": tokens}
+
+
 def serve_greedy_tokens(srv: Any, model: str, args: argparse.Namespace, vocab: int) -> list[list[int]]:
     """The agreement prompts (same seed as the offline run) through ``/v1/completions`` in one
     batched request, greedy, ignore_eos; the generated token ids (``return_token_ids``)."""
@@ -550,6 +577,8 @@ def summarize(result: dict) -> str:
     serve_lines = ["| model | in/out | conc | prompts | stock out tok/s | atom out tok/s | **atom/stock** | "
                    "stock TTFT ms | atom TTFT ms | stock TPOT ms | atom TPOT ms | TPOT atom/stock |",
                    "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    batch_lines = ["| model | in/out | C | stock out tok/s | atom out tok/s | **atom/stock** | stock s | atom s |",
+                   "|---|---|---|---|---|---|---|---|"]
     notes, profiles = [], []
     run_args = result.get("args") or {}
     tp = run_args.get("tp") or 1
@@ -571,6 +600,11 @@ def summarize(result: dict) -> str:
                 f"{fmt(s.get('median_ttft_ms'), 2)} | {fmt(a.get('median_ttft_ms'), 2)} | "
                 f"{fmt(s.get('median_tpot_ms'), 3)} | {fmt(a.get('median_tpot_ms'), 3)} | "
                 f"**{fmt(ratio(a.get('median_tpot_ms'), s.get('median_tpot_ms')), 2)}x** |")
+            if s.get("batch_tok_s") or a.get("batch_tok_s"):
+                batch_lines.append(
+                    f"| {name} | {cell['in']}/{cell['out']} | {cell['conc']} | {fmt(s.get('batch_tok_s'))} | "
+                    f"{fmt(a.get('batch_tok_s'))} | **{fmt(ratio(a.get('batch_tok_s'), s.get('batch_tok_s')), 2)}x** | "
+                    f"{fmt(s.get('batch_s'), 2)} | {fmt(a.get('batch_s'), 2)} |")
         ag = m.get("agreement")
         if ag:
             notes.append(f"- {name}: greedy agreement atom vs stock ({result['args']['dtype']}"
@@ -599,6 +633,9 @@ def summarize(result: dict) -> str:
     if len(serve_lines) > 2:
         out += ["", "Serving benchmark (vllm.benchmarks.serve against vllm serve; output tok/s over the cell, "
                     "TTFT/TPOT medians):", "", *serve_lines]
+    if len(batch_lines) > 2:
+        out += ["", "Batch throughput through the same servers (C prompts in one non-streaming request, "
+                    "output tokens over its wall time):", "", *batch_lines]
     if notes:
         out += ["", *notes]
     return "\n".join(out + profiles)
@@ -632,6 +669,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="IN/OUT@C: after the serving cells, profile one such cell in each server with vLLM's "
                          "torch profiler (--profiler-config) and report kernel time by category")
     ap.add_argument("--profile-dir", default="/tmp/atom-e2e-profile", help="where the servers write traces")
+    ap.add_argument("--serve-batch", action="store_true",
+                    help="after each serving cell, its throughput as an offline run measures it: C fresh "
+                         "prompts in one non-streaming request to the same server (no per-token streaming)")
     ap.add_argument("--no-serve-warmup", dest="serve_warmup", action="store_false")
     ap.add_argument("--skip-serve", action="store_true", help="no serving benchmark (overrides --serve)")
     ap.add_argument("--skip-offline", action="store_true", help="no offline throughput cells")
@@ -670,8 +710,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.dtype = args.dtype or smoke.get("dtype", "bfloat16")
     args.eager = args.eager or args.smoke
     args.do_serve = args.serve and not args.skip_serve
-    if (args.serve_agreement or args.serve_profile) and not args.do_serve:
-        ap.error("--serve-agreement / --serve-profile need --serve")
+    if (args.serve_agreement or args.serve_profile or args.serve_batch) and not args.do_serve:
+        ap.error("--serve-agreement / --serve-profile / --serve-batch need --serve")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in args.models:
         if m not in MODELS:
@@ -807,6 +847,9 @@ def main(argv: list[str]) -> int:
                                           and r.get("out") == out_len and r.get("conc") == conc), None)
                     row["ratio"] = ratio((row.get("atom") or {}).get("output_throughput"),
                                          (row.get("stock") or {}).get("output_throughput"))
+                    if args.serve_batch:
+                        row["batch_ratio"] = ratio((row.get("atom") or {}).get("batch_tok_s"),
+                                                   (row.get("stock") or {}).get("batch_tok_s"))
                     rows.append(row)
             m["serve"] = rows
             m["serve_errors"] = [r for side in serve for r in serve[side].get("cells", []) if "error" in r]

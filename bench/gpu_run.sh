@@ -27,7 +27,8 @@
 #            TABLE_LAYERS default 16 / 16 / 4): bench/e2e.py through one `vllm serve` per side (stock
 #            first), 128/128 and 1024/1024 (TABLE_LENGTHS) at concurrency 1, 32, 256 (TABLE_CONC):
 #            output tok/s, TTFT, TPOT per cell, greedy agreement through the servers (256 prompts),
-#            and one profiled cell (TABLE_PROFILE, default 128/128@256) -> kernel time by category.
+#            the batch throughput of each cell (--serve-batch: C prompts in one non-streaming request),
+#            and one profiled cell (TABLE_PROFILE, default 128/128@256; empty: none) -> kernel time by category.
 #            Other checkpoints under /tmp/atom-e2e-models are deleted first (disk). TABLE_ARGS adds
 #            e2e.py options (e.g. "--tp 2 --ep"). -> $OUT/table_<model>/e2e.json, e2e.txt, work/
 #   agree    bench/agreement.py (AGREE_ARGS; default the dense model, stock fp32 as the reference,
@@ -46,6 +47,8 @@ set -uo pipefail
 # after /tmp/site and the machine's own packages in the search order, so they only fill gaps.
 export PYTHONPATH=/tmp/site:/tmp/site-serve HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
        VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# multi-GPU hosts: NVLink multicast stays off (the lent machines' rule), also in vLLM's own all-reduce
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 
 # ab_profile NAME VAR VALUE... : bench/profile_e2e.py --side atom on FUSION_MODEL once per VALUE of
@@ -88,16 +91,20 @@ for step in "$@"; do
                   > "$OUT/e2e2/e2e.txt" 2>&1
               grep -E "^\[e2e|^\||^- |elapsed" "$OUT/e2e2/e2e.txt" | tail -60 ;;
         table) m="${TABLE_MODEL:-dense}"; case "$m" in mla) l=4 ;; *) l=16 ;; esac; l="${TABLE_LAYERS:-$l}"
-              d="$OUT/table_$m"; mkdir -p "$d"
+              d="$OUT/table_$m"; mkdir -p "$d"; prof="${TABLE_PROFILE-128/128@256}"
               for c in /tmp/atom-e2e-models/*; do case "$c" in */$m-L$l-*) ;; *) rm -rf "$c" ;; esac; done
               timeout "${TABLE_TIMEOUT:-585}" python3 bench/e2e.py --models "$m" --layers "$m=$l" \
                   --lengths "${TABLE_LENGTHS:-128/128,1024/1024}" --concurrency "${TABLE_CONC:-1,32,256}" \
                   --serve --skip-offline --serve-agreement --serve-max-out-tokens 32768 \
-                  --serve-profile "${TABLE_PROFILE:-128/128@256}" ${TABLE_ARGS:-} --budget "${E2E_BUDGET:-540}" \
+                  --serve-batch ${prof:+--serve-profile "$prof"} ${TABLE_ARGS:-} \
+                  --budget "${E2E_BUDGET:-540}" \
                   --out "$d/e2e.json" --workdir "$d/work" > "$d/e2e.txt" 2>&1
               for f in "$d"/work/*/vllm-serve-*.log; do   # flat copies: nested folders do not come back
                   { grep -E "EngineCore.*(ERROR|Error|Traceback)|Worker.*(ERROR|Error)" "$f" | head -150
-                    grep -E "ERROR|Error|Traceback|atom\]" "$f" | tail -40; } > "$d/$(basename "$f" .log).errors.txt"; done
+                    grep -E "ERROR|Error|Traceback|atom\]" "$f" | tail -40; } > "$d/$(basename "$f" .log).errors.txt"
+                  # the engine's own step statistics (throughput, running/waiting, KV-cache use, preemptions)
+                  grep -E "throughput|KV cache|[Pp]reempt|concurrency|CUDA graph|init engine|torch.compile|Compil" "$f" \
+                      | tail -200 > "$d/$(basename "$f" .log).stats.txt"; done
               grep -E "^\[e2e|^\||^- |elapsed|FAILED|Error" "$d/e2e.txt" | tail -70 ;;
         agree) mkdir -p "$OUT/agree"
               timeout 590 python3 bench/agreement.py ${AGREE_ARGS:---model-kind dense} --budget "${AGREE_BUDGET:-500}" \

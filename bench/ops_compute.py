@@ -271,13 +271,20 @@ class Bench:
 
     # -- paged attention -------------------------------------------------------------------
 
-    def _paged(self, batch: int, ctx: int, q_len: int, hq: int, hkv: int, d: int, bs: int):
+    def _paged(self, batch: int, ctx: int, q_len: int, hq: int, hkv: int, d: int, bs: int,
+               ragged: bool = False):
+        """Paged q / KV cache / block table (pages in random order). ``ragged``: context lengths
+        spread evenly over [ctx/2, ctx] (a serving batch) instead of all ``ctx``."""
         torch = self.torch
         blocks = -(-ctx // bs)
         nb = batch * blocks + 1
         kv = torch.randn(2, nb, bs, hkv, d, device=self.device, dtype=self.dtype)
         table = torch.randperm(nb - 1, device=self.device)[: batch * blocks].view(batch, blocks).int()
-        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
+        if ragged:
+            seq_lens = torch.linspace(ctx // 2, ctx, batch, device=self.device).round().int()
+            seq_lens = seq_lens[torch.randperm(batch, device=self.device)]
+        else:
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
         q = torch.randn(batch * q_len, hq, d, device=self.device, dtype=self.dtype)
         qsl = torch.arange(0, batch + 1, dtype=torch.int32, device=self.device) * q_len
         return q, kv[0], kv[1], table, seq_lens, qsl
@@ -300,17 +307,21 @@ class Bench:
         from atom.ops.attention import paged_attention
 
         hq, hkv, d, bs = 32, 8, 128, 16
-        cases = [(2, 64)] if self.dry else [(b, c) for c in (2048, 8192) for b in (1, 32, 128)]
+        # (batch, context, ragged): the last cases are a serving decode step at C=256 with
+        # contexts 1k-2k (1024/1024 cells of the end-to-end table).
+        cases = [(2, 64, False), (3, 64, True)] if self.dry else (
+            [(b, c, False) for c in (2048, 8192) for b in (1, 32, 128)] + [(256, 2048, False), (256, 2048, True)])
         el = self.torch.finfo(self.dtype).bits // 8
-        for batch, ctx in cases:
-            q, kc, vc, table, sl, qsl = self._paged(batch, ctx, 1, hq, hkv, d, bs)
+        for batch, ctx, ragged in cases:
+            q, kc, vc, table, sl, qsl = self._paged(batch, ctx, 1, hq, hkv, d, bs, ragged)
             scale = d ** -0.5
             args = (q, kc, vc, table, sl, qsl, 1, ctx, scale)
             out = self.torch.empty_like(q)
             out_v = self.torch.empty_like(q)
-            row = Row("decode", f"b={batch} ctx={ctx}",
-                      bytes=batch * ctx * hkv * d * 2 * el + 2 * q.numel() * el,
-                      flops=4.0 * batch * ctx * hq * d, bound="memory")
+            keys = int(sl.sum()) if ragged else batch * ctx
+            row = Row("decode", f"b={batch} ctx={ctx // 2}-{ctx}" if ragged else f"b={batch} ctx={ctx}",
+                      bytes=keys * hkv * d * 2 * el + 2 * q.numel() * el,
+                      flops=4.0 * keys * hq * d, bound="memory")
             self.run_case(row, lambda: paged_attention.run("triton", *args, out=out),
                           lambda: paged_attention.run("torch", *args),
                           self._vllm_fa(q, kc, vc, table, sl, qsl, 1, ctx, scale, out_v))

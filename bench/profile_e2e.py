@@ -127,7 +127,25 @@ def summarize_trace(path: Path) -> dict:
         k = by_name.setdefault(e["name"], {"us": 0.0, "calls": 0, "category": category(e["name"])})
         k["us"] += float(e.get("dur", 0.0))
         k["calls"] += 1
-    return {"time_kind": kind, "categories_us": by_category(by_name), "kernels": by_name, "events": len(kernels)}
+    busy, span = busy_and_span_us(kernels) if kind == "device" else (None, None)
+    return {"time_kind": kind, "categories_us": by_category(by_name), "kernels": by_name, "events": len(kernels),
+            "busy_us": busy, "span_us": span}
+
+
+def busy_and_span_us(events: list[dict]) -> tuple[float, float]:
+    """GPU busy time (the union of the kernels' intervals, so overlapping streams count once) and
+    the span from the first kernel's start to the last one's end. busy / span well below 1 means
+    the GPU waited on the host (launches, scheduling, sampling) for the rest."""
+    iv = sorted((float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0))) for e in events)
+    if not iv:
+        return 0.0, 0.0
+    busy, (lo, hi) = 0.0, iv[0]
+    for a, b in iv[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    return busy + hi - lo, max(b for _, b in iv) - iv[0][0]
 
 
 def report(results: dict[str, dict], top: int) -> str:
@@ -149,7 +167,13 @@ def report(results: dict[str, dict], top: int) -> str:
             row.append(f"{vals['atom'] / vals['stock']:.2f}x" if vals["stock"] else "-")
         lines.append("| " + " | ".join(row) + " |")
     for s in sides:
-        lines += ["", f"{s}: wall {results[s].get('wall_s') or 0:.2f} s for {results[s]['out_tokens']} output tokens; top kernels:"]
+        r = results[s]
+        head = f"{s}: wall {r.get('wall_s') or 0:.2f} s" if r.get("wall_s") else f"{s}:"
+        if r.get("out_tokens"):
+            head += f" for {r['out_tokens']} output tokens"
+        if r.get("span_us"):
+            head += f"; GPU busy {r['busy_us'] / 1000:.1f} ms of a {r['span_us'] / 1000:.1f} ms span ({100 * r['busy_us'] / r['span_us']:.0f}%)"
+        lines += ["", head + "; top kernels:"]
         ks = sorted(results[s]["kernels"].items(), key=lambda kv: -kv[1]["us"])[:top]
         for name, k in ks:
             lines.append(f"  {k['us'] / 1000:9.2f} ms {k['calls']:7d}x  [{k['category']:10s}] {name[:110]}")

@@ -38,10 +38,10 @@ def test_serve_options_need_serve(e2e):
 
 def test_trace_summary_by_category(tmp_path):
     profile_e2e = load_bench("profile_e2e")
-    events = [{"ph": "X", "cat": "kernel", "name": "flash_fwd_splitkv_kernel", "dur": 10.0},
-              {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64", "dur": 30.0},
-              {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64", "dur": 20.0},
-              {"ph": "X", "cat": "kernel", "name": "triton_red_fused_add_rms_norm_0", "dur": 4.0},
+    events = [{"ph": "X", "cat": "kernel", "name": "flash_fwd_splitkv_kernel", "ts": 100.0, "dur": 10.0},
+              {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64", "ts": 105.0, "dur": 30.0},  # overlaps
+              {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64", "ts": 200.0, "dur": 20.0},
+              {"ph": "X", "cat": "kernel", "name": "triton_red_fused_add_rms_norm_0", "ts": 150.0, "dur": 4.0},
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 99.0}]  # ignored: kernels exist
     path = tmp_path / "w.pt.trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -50,6 +50,10 @@ def test_trace_summary_by_category(tmp_path):
     assert s["time_kind"] == "device" and s["events"] == 4
     assert s["categories_us"] == {"attention": 10.0, "gemm": 50.0, "norms/rope": 4.0}
     assert s["kernels"]["nvjet_tst_128x64"] == {"us": 50.0, "calls": 2, "category": "gemm"}
+    # busy = union of [100, 135), [150, 154), [200, 220); span = 100 .. 220
+    assert s["busy_us"] == 35.0 + 4.0 + 20.0 and s["span_us"] == 120.0
+    report = profile_e2e.report({"stock": {**s, "out_tokens": 8}, "atom": s}, top=2)
+    assert "stock: for 8 output tokens; GPU busy 0.1 ms of a 0.1 ms span (49%)" in report
 
 
 def test_serve_only_run_on_real_servers(tmp_path):
@@ -57,17 +61,19 @@ def test_serve_only_run_on_real_servers(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [sys.executable, str(BENCH / "e2e.py"), "--smoke", "--models", "dense", "--serve", "--skip-offline",
-         "--serve-agreement", "--serve-profile", "16/8@2", "--serve-concurrency", "1,2", "--agree-prompts", "4",
+         "--serve-agreement", "--serve-batch", "--serve-profile", "16/8@2", "--serve-concurrency", "1,2", "--agree-prompts", "4",
          "--model-dir", str(tmp_path / "models"), "--profile-dir", str(tmp_path / "prof"), "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     m = json.loads(out.read_text())["models"]["dense"]
     assert "offline" not in m  # one engine per side: the servers
+    assert "Batch throughput through the same servers" in proc.stdout
     assert [(r["in"], r["out"], r["conc"]) for r in m["serve"]] == [(16, 8, 1), (16, 8, 2)]
     for row in m["serve"]:
         for side in ("stock", "atom"):
             assert row[side]["completed"] == row[side]["prompts"] and row[side]["output_throughput"] > 0
-        assert row["ratio"] > 0
+            assert row[side]["batch_tokens"] == row["conc"] * 8 and row[side]["batch_tok_s"] > 0
+        assert row["ratio"] > 0 and row["batch_ratio"] > 0
     ag = m["agreement"]
     assert ag["via"] == "server" and ag["agreement"] == 1.0 and ag["positions"] == 4 * 8  # fp32: identical
     for side in ("stock", "atom"):
