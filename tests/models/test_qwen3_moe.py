@@ -283,3 +283,20 @@ def test_wrapper_passes_vllm_ep_group():
     assert (dense.tp_rank, dense.tp_size, dense.tp_group, dense.ep_size, dense.ep_group) == (1, 2, tp, 1, None)
     moe = model_parallel(SimpleNamespace(tp_rank=1, tp_size=2, tp_group=tp, ep_group=ep))
     assert (moe.tp_rank, moe.ep_rank, moe.ep_size, moe.ep_group) == (1, 1, 2, ep)
+
+
+def test_wrapper_reduces_experts_over_the_tp_group_when_it_is_the_ep_group():
+    """vLLM captures CUDA graphs with only its TP (and PP) group in capture mode: with DP=1 the
+    EP group holds the TP group's ranks, and the experts' all-reduce must go over the TP
+    group (an EP-group all-reduce in a captured graph crashed TP2+EP serving on the H200)."""
+    from types import SimpleNamespace
+
+    from atom.plugin.vllm.model_wrapper import model_parallel
+
+    tp = SimpleNamespace(rank_in_group=1, world_size=2, ranks=[0, 1])
+    same = SimpleNamespace(rank_in_group=1, world_size=2, ranks=[0, 1])
+    moe = model_parallel(SimpleNamespace(tp_rank=1, tp_size=2, tp_group=tp, ep_group=same))
+    assert (moe.ep_rank, moe.ep_size) == (1, 2) and moe.ep_group is tp
+    wider = SimpleNamespace(rank_in_group=3, world_size=4, ranks=[0, 1, 2, 3])  # EP over TP x DP
+    moe = model_parallel(SimpleNamespace(tp_rank=1, tp_size=2, tp_group=tp, ep_group=wider))
+    assert (moe.ep_rank, moe.ep_size) == (3, 4) and moe.ep_group is wider

@@ -233,11 +233,21 @@ def resolve_model_class(qualname: str) -> type[nn.Module]:
 
 def model_parallel(groups: Any) -> ModelParallel:
     """atom's view of vLLM's groups: TP position and group, plus vLLM's EP group (a
-    ``GroupCoordinator``; vLLM creates it for MoE models only)."""
+    ``GroupCoordinator``; vLLM creates it for MoE models only).
+
+    When the EP group holds the same ranks as the TP group (data_parallel_size == 1, the only
+    EP layout atom's models accept), the experts' all-reduce goes over the TP group, as vLLM's
+    own FusedMoE does: vLLM puts only the TP (and PP) group into CUDA-graph capture mode, and
+    its EP group has no custom all-reduce, so an EP-group all-reduce inside a captured graph
+    crashed the engine (TP2 + EP on an H200 host, vLLM 0.26: illegal memory access while
+    capturing the piecewise graphs)."""
     tp = ModelParallel.of(groups)
     ep = getattr(groups, "ep_group", None)
     if ep is None:
         return tp
+    ranks = getattr(ep, "ranks", None)
+    if ranks is not None and list(ranks) == list(getattr(groups.tp_group, "ranks", None) or []):
+        ep = groups.tp_group
     return dataclasses.replace(tp, ep_rank=int(ep.rank_in_group), ep_size=int(ep.world_size), ep_group=ep)
 
 
