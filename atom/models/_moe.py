@@ -203,7 +203,26 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """fp8: keep the weights fp8 for :func:`atom.ops.fused_moe` on CUDA (per-tensor scales
-        expanded to 128 x 128 tiles), else dequantise them to the activation dtype."""
+        expanded to 128 x 128 tiles), else dequantise them to the activation dtype. Then, on a
+        GPU, compile the expert kernels for every tile configuration (:meth:`warm_up_kernels`)."""
+        self._repack_fp8()
+        self.warm_up_kernels()
+
+    def warm_up_kernels(self, force: bool = False) -> int:
+        """Compile :func:`atom.ops.fused_moe`'s kernels for this layer's shapes now, at load, and
+        not in the first served batch of each tile configuration (once per process and shape;
+        CUDA only unless ``force``: tests, under the Triton interpreter). Returns the launches
+        made."""
+        if (self.w13.device.type != "cuda" and not force) or (self.w13.dtype == FP8_DTYPE and self.block_shape is None):
+            return 0
+        fp8 = {} if self.block_shape is None else dict(
+            w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv, block_shape=list(self.block_shape))
+        return ops.warm_up_fused_moe(self.w13, self.w2, self.top_k, self.num_experts, act_dtype=self.act_dtype,
+                                     force=force, expert_map=self.expert_map, w13_bias=self.w13_bias,
+                                     w2_bias=self.w2_bias if self.adds_w2_bias else None,
+                                     **self.activation_kwargs, **fp8)
+
+    def _repack_fp8(self) -> None:
         if self.quant is None or self.w13.dtype != FP8_DTYPE or self.block_shape is not None:
             return  # unquantised, or already processed
         i, hidden = self.local_inter, self.w2.shape[1]

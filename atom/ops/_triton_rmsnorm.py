@@ -17,7 +17,7 @@ SINGLE_PASS_MAX_N = 16384
 CHUNK_N = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1, stride_ro0, stride_ro1,

@@ -242,3 +242,28 @@ paged_attention = register(Op(
         "GQA, sliding window, sinks, fp8 caches; optional log-sum-exp output.",
 ))
 paged_attention.__doc__ = paged_attention_torch.__doc__
+
+
+_WARMED: set = set()
+
+
+def warm_up_paged_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            page: int, device: Union[torch.device, str], *,
+                            kv_dtype: Optional[torch.dtype] = None, sliding_window: Optional[int] = None,
+                            sinks: bool = False, force: bool = False) -> int:
+    """Compile, before the first request, the Triton kernel variants that :func:`paged_attention`
+    can launch for a layer of these shapes (see :func:`atom.ops.attention_triton.warm_up`);
+    once per process and shape. Returns the launches made: 0 when the op would not run Triton
+    on ``device`` (CPU, AITER, a forced backend) unless ``force`` (tests, under the Triton
+    interpreter)."""
+    device = torch.device(device)
+    key = (num_heads, num_kv_heads, head_dim, dtype, page, str(device), kv_dtype, sliding_window, sinks)
+    if key in _WARMED:
+        return 0
+    if not force and paged_attention.backend_on(device.type)[0] != "triton":
+        return 0
+    _WARMED.add(key)
+    from atom.ops.attention_triton import warm_up  # lazy: Triton is optional
+
+    return warm_up(num_heads, num_kv_heads, head_dim, dtype, page, device, kv_dtype=kv_dtype,
+                   window=int(sliding_window or 0), sinks=sinks)

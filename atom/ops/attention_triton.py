@@ -127,7 +127,7 @@ def _qk_pv_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, kpos, kmask, qpos, win
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     lse_ptr, sm_scale, window,
@@ -232,7 +232,7 @@ def _prefill_kernel(
         tl.store(lse_ptr + (q_start + offs_m).to(tl.int64) * stride_lt + head, lse, mask=mmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_pl_s", "stride_pl_h"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     sinks_ptr, k_scale_ptr, v_scale_ptr,
@@ -311,7 +311,7 @@ def _decode_kernel(
                  lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pl_r", "stride_pl_h"])
 def _split_kv_reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, sinks_ptr, num_splits,
     stride_po_r, stride_po_h, stride_po_p, stride_pl_r, stride_pl_h, stride_ot, stride_oh,
@@ -490,6 +490,40 @@ def paged_attention_fwd(
         split_kv_reduce(part_o, part_lse, out, num_splits, query_start_loc=query_start_loc,
                         sinks=sinks)
     return out
+
+
+#: Split counts whose reduce launches cover every ``BLOCK_S`` bucket (1 = the direct path).
+WARM_UP_SPLITS = (1, 2, 3, 5, 9, 17, 33)
+
+
+def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page: int,
+            device: torch.device, *, kv_dtype: Optional[torch.dtype] = None, window: int = 0,
+            sinks: bool = False) -> int:
+    """Launch every kernel variant (constexpr combination) that a serving step can meet with
+    these shapes, on a tiny two-sequence batch: the prefill kernel, the decode kernel for pure
+    and mixed batches with one or several KV splits, and the split-KV reduce for every
+    ``BLOCK_S``. Triton compiles a variant on its first launch; without this the first served
+    batch that needs a new split count stalls while it compiles. Size-like integer arguments
+    are ``do_not_specialize``, so these launches cover every later batch size. Returns the
+    number of launches."""
+    kv_dtype = kv_dtype or dtype
+    ctx = 2 * page
+    blocks = 2 * triton.cdiv(ctx, page)
+    cache = torch.zeros(2, blocks, page, num_kv_heads, head_dim, dtype=dtype, device=device).to(kv_dtype)
+    table = torch.arange(blocks, dtype=torch.int32, device=device).view(2, -1)
+    seq_lens = torch.full((2,), ctx, dtype=torch.int32, device=device)
+    scale = torch.ones(1, dtype=torch.float32, device=device) if kv_dtype in _FP8_DTYPES else None
+    sink = torch.zeros(num_heads, dtype=torch.float32, device=device) if sinks else None
+    launches = 0
+    for q_lens in ((1, 1), (2, 1)):  # pure decode; a mixed batch (one prefill, one decode)
+        qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=device)
+        q = torch.zeros(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
+        for splits in WARM_UP_SPLITS:
+            paged_attention_fwd(q, cache[0], cache[1], table, seq_lens, qsl, max(q_lens), ctx,
+                                head_dim ** -0.5, sliding_window=window or None, sinks=sink,
+                                k_scale=scale, v_scale=scale, num_splits=splits)
+            launches += 1
+    return launches
 
 
 def _scale_tensor(scale, device: torch.device) -> torch.Tensor:

@@ -397,3 +397,26 @@ fused_moe = register(Op(
         "optional expert biases, routing-weighted sum); bf16 and fp8 block-scaled weights; "
         "expert parallelism via expert_map.",
 ))
+
+
+_WARMED: set = set()
+
+
+def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, *,
+                      act_dtype: torch.dtype, force: bool = False, **kwargs) -> int:
+    """Compile, before the first request, the Triton kernels :func:`fused_moe` launches for a
+    layer with these weights at every tile configuration (see
+    :func:`atom.ops.moe_triton.warm_up`); once per process and layer shape. ``kwargs``: the
+    layer's :func:`fused_moe` keywords. Returns the launches made: 0 when the op would not run
+    Triton on the weights' device unless ``force`` (tests, under the Triton interpreter)."""
+    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, act_dtype, str(w13.device), top_k, num_experts,
+           tuple(sorted((k, v is not None if isinstance(v, torch.Tensor) or v is None else v)
+                        for k, v in kwargs.items())))
+    if key in _WARMED:
+        return 0
+    if not force and fused_moe.backend_on(w13.device.type)[0] != "triton":
+        return 0
+    _WARMED.add(key)
+    from atom.ops.moe_triton import warm_up  # lazy: Triton is optional
+
+    return warm_up(w13, w2, top_k, num_experts, act_dtype, **kwargs)

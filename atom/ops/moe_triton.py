@@ -75,7 +75,7 @@ def to_fp8(y, ROUND: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_tokens, num_experts,
                          stride_lt, stride_wt, stride_it,
                          TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -107,7 +107,7 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_tokens, num_experts,
     tl.store(ids_ptr + offs_t[:, None].to(tl.int64) * stride_it + offs_k[None, :], ids, mask=kmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _grouped_topk_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, scaling,
                                  stride_lt, stride_wt, stride_it,
                                  TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -209,7 +209,7 @@ def grouped_topk_sigmoid_fwd(router_logits: torch.Tensor, correction_bias: torch
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_align_kernel(ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
                       num_local, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                       CHUNK: tl.constexpr, HAS_MAP: tl.constexpr):
@@ -256,7 +256,7 @@ def _moe_align_kernel(ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr
                  mask=p < my_padded)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, num_rows, num_cols, stride_xt, stride_qt, stride_st,
                         GROUP: tl.constexpr, BLOCK_R: tl.constexpr, ROUND: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -282,7 +282,7 @@ def _pid_to_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _moe_gemm1_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, bias_ptr,
     sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, hidden, inter, num_pid_m,
@@ -359,7 +359,7 @@ def _moe_gemm1_kernel(
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _moe_gemm2_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr, bias_ptr,
     sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, inter, hidden, num_pid_m,
@@ -479,6 +479,47 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, block_k_quant: Opt
     return MoeConfig(128, 64, 128, 64, 8, 8, 4)
 
 
+def align_chunk(num_pairs: int) -> int:
+    """The align kernel's ``CHUNK`` (pairs per loop step) for ``num_pairs`` (token, expert) pairs."""
+    return min(1024, max(16, next_pow2(num_pairs)))
+
+
+#: ``moe_config``'s tokens-per-expert bucket edges (bf16; the fp8 edges are a subset).
+MOE_CONFIG_EDGES = (4, 16, 64, 128)
+
+
+def warm_up_token_counts(top_k: int, num_local: int) -> list[int]:
+    """Batch sizes that meet every tile bucket of :func:`moe_config` (just below and above each
+    edge) and every ``CHUNK`` of the align kernel (pairs in each power-of-two bucket up to 1024)."""
+    counts = {1}
+    for edge in MOE_CONFIG_EDGES:
+        t = max(1, edge * num_local // top_k)
+        counts |= {t, t + 1}
+    chunk = 16
+    while chunk <= 1024:
+        counts.add(max(1, chunk // (2 * top_k) + 1))
+        chunk *= 2
+    return sorted(counts)
+
+
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, act_dtype: torch.dtype,
+            **kwargs) -> int:
+    """Launch :func:`fused_moe_fwd` with these weights at every :func:`warm_up_token_counts`
+    size, so that Triton compiles each tile configuration's kernels now and not inside the first
+    served batch of that size (batches above vLLM's largest CUDA-graph size are never captured,
+    and a 1,024-2,048-token prefill chunk otherwise stalls on the JIT). ``kwargs``: the layer's
+    :func:`fused_moe_fwd` keywords (expert_map, fp8 scales, biases, activation); the tokens are
+    ``act_dtype`` zeros. Returns the number of launches."""
+    hidden, dev = w13.shape[2], w13.device
+    counts = warm_up_token_counts(top_k, w13.shape[0])
+    for t in counts:
+        x = torch.zeros(t, hidden, dtype=act_dtype, device=dev)
+        ids = (torch.arange(t * top_k, device=dev, dtype=torch.int32) % num_experts).view(t, top_k)
+        weights = torch.full((t, top_k), 1.0 / top_k, dtype=torch.float32, device=dev)
+        fused_moe_fwd(x, w13, w2, weights, ids, **kwargs)
+    return len(counts)
+
+
 def group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(row, group of ``group`` columns) fp8 e4m3 quantisation: (q, scales [rows, groups])."""
     rows, cols = x.shape
@@ -535,7 +576,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _moe_align_kernel[(num_local,)](
         ids_flat, expert_map if expert_map is not None else ids_flat, sorted_ids, expert_ids,
         num_post, num_pairs, num_local,
-        BLOCK_M=bm, BLOCK_E=next_pow2(num_local + 1), CHUNK=min(1024, max(16, next_pow2(num_pairs))),
+        BLOCK_M=bm, BLOCK_E=next_pow2(num_local + 1), CHUNK=align_chunk(num_pairs),
         HAS_MAP=expert_map is not None, num_warps=4,
     )
 

@@ -76,6 +76,17 @@ def register() -> Optional[str]:
     return None
 
 
+def _current_block_size() -> int:
+    """The KV-cache block size of the vLLM config being built (vLLM's CUDA default, 16, when it
+    is not set yet or there is no config)."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        return int(get_current_vllm_config().cache_config.block_size or 16)
+    except Exception:
+        return 16
+
+
 def _current_max_num_seqs() -> Optional[int]:
     """``max_num_seqs`` of the vLLM config being built, or None outside vLLM's config context
     (an impl built by hand, e.g. in tests: no workspace reservation then)."""
@@ -272,6 +283,7 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         # vLLM builds the impl inside its config context (Attention.__init__); forward may run
         # outside it (compiled graphs, CUDA-graph capture), so the batch bound is read now.
         self._workspace_seqs = _current_max_num_seqs()
+        self._block_size = _current_block_size()
 
     def enable_fused_qk_norm_rope(self, fused: FusedQKNormRope) -> None:
         """From now on the layer passes q/k before QK-norm and RoPE; ``forward`` applies both and
@@ -283,6 +295,21 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         self.fused = fused
 
     # -- atom's math (framework-neutral) ------------------------------------------------------
+    def warm_up_kernels(self, act_dtype: torch.dtype) -> int:
+        """Compile the attention kernels' variants now, at load, rather than in the first served
+        batch that needs each (a stall of up to a second per variant: a split count the
+        warm-up and graph capture did not meet). Once per process and layer shape; GPU only.
+        Returns the kernel launches made."""
+        if not torch.cuda.is_available():
+            return 0
+        from atom.ops.attention import warm_up_paged_attention
+
+        kv_dtype = torch.float8_e4m3fn if self.fp8_cache else act_dtype
+        return warm_up_paged_attention(self.num_heads, self.num_kv_heads, self.head_size, act_dtype,
+                                       self._block_size, torch.device("cuda", torch.cuda.current_device()),
+                                       kv_dtype=kv_dtype, sliding_window=self.sliding_window,
+                                       sinks=self.sinks is not None)
+
     def cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """NHD key/value views of the layer's cache, as float8_e4m3fn for an fp8 cache (vLLM
         allocates fp8 caches as uint8)."""
@@ -346,6 +373,7 @@ class VLLMMHAImplMethods:
         if self.sinks is not None:
             self.sinks = self.sinks.detach().to(torch.float32)
         self.weights_processed_dtype = act_dtype  # what vLLM passed (the engine tests read it)
+        self.warm_up_kernels(act_dtype)
 
     def do_kv_cache_update(
         self,

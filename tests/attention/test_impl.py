@@ -297,3 +297,28 @@ def test_profiling_run_allocates_the_decode_workspace_bound():
         base = torch.cuda.memory_allocated()
         paged_attention_fwd(q, cache, cache, bt, lens, qsl, 1, 128, 0.1, out=o)
         assert torch.cuda.max_memory_allocated() - base <= bound, n
+
+
+@pytest.mark.parametrize("kv_cache_dtype,kv_dtype", [("auto", torch.bfloat16), ("fp8", torch.float8_e4m3fn)])
+def test_post_load_hook_warms_up_the_kernels_for_this_layer(monkeypatch, kv_cache_dtype, kv_dtype):
+    """The injected ``process_weights_after_loading`` compiles the attention kernels' variants for
+    the layer's own dims, dtype and KV-cache block size (read from the config vLLM builds the
+    layer in), on the current GPU; nothing on a machine without one."""
+    from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
+
+    import atom.ops.attention as attention_op
+
+    calls = []
+    monkeypatch.setattr(attention_op, "warm_up_paged_attention", lambda *a, **k: calls.append((a, k)) or 14)
+    config = VllmConfig(cache_config=CacheConfig(block_size=32))
+    with set_current_vllm_config(config):
+        impl = ATOMAttentionImpl(16, 64, 0.125, 4, sliding_window=128, kv_cache_dtype=kv_cache_dtype,
+                                 sinks=torch.zeros(16))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    impl.process_weights_after_loading(torch.bfloat16)
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    impl.process_weights_after_loading(torch.bfloat16)
+    assert calls == [((16, 4, 64, torch.bfloat16, 32, torch.device("cuda", 0)),
+                      dict(kv_dtype=kv_dtype, sliding_window=128, sinks=True))]
