@@ -127,7 +127,7 @@ def _qk_pv_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, kpos, kmask, qpos, win
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     lse_ptr, sm_scale, window,
@@ -232,7 +232,7 @@ def _prefill_kernel(
         tl.store(lse_ptr + (q_start + offs_m).to(tl.int64) * stride_lt + head, lse, mask=mmask)
 
 
-@triton.jit(do_not_specialize=["window", "num_splits", "stride_pl_s", "stride_pl_h"])
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt", "stride_pl_s", "stride_pl_h"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     sinks_ptr, k_scale_ptr, v_scale_ptr,
@@ -503,8 +503,9 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     these shapes, on a tiny two-sequence batch: the prefill kernel, the decode kernel for pure
     and mixed batches with one or several KV splits, and the split-KV reduce for every
     ``BLOCK_S``. Triton compiles a variant on its first launch; without this the first served
-    batch that needs a new split count stalls while it compiles. Size-like integer arguments
-    are ``do_not_specialize``, so these launches cover every later batch size. Returns the
+    batch that needs a new split count stalls while it compiles. Integer arguments that vary
+    between this batch and a server's (split count, window, block-table width, partial-LSE
+    strides) are ``do_not_specialize``, so these launches cover every later batch. Returns the
     number of launches."""
     kv_dtype = kv_dtype or dtype
     ctx = 2 * page

@@ -94,7 +94,7 @@ def write_latent_cache_fwd(kv_c: torch.Tensor, k_pe: torch.Tensor, positions: to
     )
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_pl_t", "stride_pl_h"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_pl_t", "stride_pl_h"])
 def _mla_decode_kernel(
     qn_ptr, qp_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, bt_ptr, seq_lens_ptr, scale_ptr,
     sm_scale, num_heads, num_splits,
