@@ -19,8 +19,9 @@ For each model (random weights, realistic dims, fewer layers) it runs, in one in
    adds one cell under vLLM's own torch profiler in each server and a kernel-time table by
    category (bench/profile_e2e.py's categories). ``--serve-batch`` adds, after each serving cell,
    the offline-style throughput of that cell on the same server: C fresh prompts in one
-   non-streaming request, so per-token streaming through the API server and the client (which
-   may limit the streaming cells at high concurrency) does not enter it.
+   non-streaming request, so per-token streaming through the API server and the client does
+   not enter it (on the H100 at C=256 stock's batch throughput was 1.6-2.3x its streaming
+   cell's: there the streaming cells time the serving path, bench/NOTES.md entry 9).
 
 Models (``--models``): ``dense`` (Qwen3-8B dims: hidden 4096, 32 q / 8 kv heads, head 128, ffn
 12288), ``moe`` (Qwen3-30B-A3B dims: hidden 2048, 32/4 heads, 128 experts top-8, expert ffn 768),
