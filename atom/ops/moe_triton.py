@@ -90,13 +90,16 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_tokens, num_experts,
     x = tl.where(emask[None, :], x, float("-inf"))
     p = tl.exp(x - tl.max(x, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
-    sel = tl.where(emask[None, :], p, -1.0)
+    # NaN scores (garbage hidden states: vLLM's warm-up passes before CUDA-graph capture get
+    # uninitialised all-reduce outputs) rank lowest, so the chosen ids stay valid expert ids
+    sel = tl.where(emask[None, :], tl.where(p == p, p, -1.0), -3.0)
     w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for k in tl.static_range(TOPK):
         best = tl.max(sel, axis=1)
         # lowest expert index among equal maxima: deterministic tie-break
         idx = tl.min(tl.where(sel == best[:, None], offs_e[None, :], BLOCK_E), axis=1)
+        idx = tl.minimum(idx, num_experts - 1)
         w = tl.where(offs_k[None, :] == k, best[:, None], w)
         ids = tl.where(offs_k[None, :] == k, idx[:, None], ids)
         sel = tl.where(offs_e[None, :] == idx[:, None], -2.0, sel)
@@ -147,6 +150,9 @@ def _grouped_topk_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_token
     for k in tl.static_range(TOPK):
         best = tl.max(sel, axis=1)
         idx = tl.min(tl.where(sel == best[:, None], offs_e[None, :], NUM_EXPERTS), axis=1)
+        # NaN scores (garbage hidden states in vLLM's pre-capture warm-up) match no maximum:
+        # keep the id a valid expert
+        idx = tl.minimum(idx, NUM_EXPERTS - 1)
         hit = offs_e[None, :] == idx[:, None]
         wk = tl.sum(tl.where(hit, score, 0.0), axis=1)  # weight: the score without bias
         w = tl.where(offs_k[None, :] == k, wk[:, None], w)
@@ -211,7 +217,7 @@ def grouped_topk_sigmoid_fwd(router_logits: torch.Tensor, correction_bias: torch
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_align_kernel(ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
-                      num_local, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                      num_local, num_global, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                       CHUNK: tl.constexpr, HAS_MAP: tl.constexpr):
     e = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
@@ -223,8 +229,9 @@ def _moe_align_kernel(ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr
         valid = i < num_pairs
         loc = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
         if HAS_MAP:
-            loc = tl.load(map_ptr + loc, mask=valid & (loc >= 0), other=-1).to(tl.int32)
-        loc = tl.where(valid & (loc >= 0), loc, num_local)
+            # ids outside the map (garbage routing in a warm-up pass) count as absent experts
+            loc = tl.load(map_ptr + loc, mask=valid & (loc >= 0) & (loc < num_global), other=-1).to(tl.int32)
+        loc = tl.where(valid & (loc >= 0) & (loc < num_local), loc, num_local)
         counts += tl.histogram(loc, BLOCK_E)
     counts = tl.where(offs_e < num_local, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -244,7 +251,7 @@ def _moe_align_kernel(ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr
         valid = i < num_pairs
         loc = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
         if HAS_MAP:
-            loc = tl.load(map_ptr + loc, mask=valid & (loc >= 0), other=-1).to(tl.int32)
+            loc = tl.load(map_ptr + loc, mask=valid & (loc >= 0) & (loc < num_global), other=-1).to(tl.int32)
         me = (valid & (loc == e)).to(tl.int32)
         rank = tl.cumsum(me, axis=0) - me + seen
         tl.store(sorted_ptr + my_start + rank, i, mask=me != 0)
@@ -411,7 +418,7 @@ def _moe_gemm2_kernel(
 
 
 @triton.jit
-def _moe_sum_kernel(src_ptr, ids_ptr, map_ptr, out_ptr, hidden, stride_st, stride_ot,
+def _moe_sum_kernel(src_ptr, ids_ptr, map_ptr, out_ptr, hidden, num_global, stride_st, stride_ot,
                     TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_MAP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -422,7 +429,7 @@ def _moe_sum_kernel(src_ptr, ids_ptr, map_ptr, out_ptr, hidden, stride_st, strid
         m = mask
         if HAS_MAP:
             g = tl.load(ids_ptr + pair)
-            loc = tl.load(map_ptr + g, mask=g >= 0, other=-1)
+            loc = tl.load(map_ptr + g, mask=(g >= 0) & (g < num_global), other=-1)
             m = m & ((offs * 0 + loc) >= 0)  # broadcast the scalar test to a vector mask
         acc += tl.load(src_ptr + pair * stride_st + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -575,7 +582,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         ids_flat = ids_flat.contiguous()
     _moe_align_kernel[(num_local,)](
         ids_flat, expert_map if expert_map is not None else ids_flat, sorted_ids, expert_ids,
-        num_post, num_pairs, num_local,
+        num_post, num_pairs, num_local, expert_map.numel() if expert_map is not None else num_local,
         BLOCK_M=bm, BLOCK_E=next_pow2(num_local + 1), CHUNK=align_chunk(num_pairs),
         HAS_MAP=expert_map is not None, num_warps=4,
     )
@@ -646,6 +653,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         block_h = min(1024, next_pow2(hidden))
         _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
             dst, ids_flat, expert_map if expert_map is not None else ids_flat, out, hidden,
+            expert_map.numel() if expert_map is not None else num_local,
             dst.stride(0), out.stride(0), TOPK=top_k, BLOCK_H=block_h,
             HAS_MAP=expert_map is not None, num_warps=4,
         )

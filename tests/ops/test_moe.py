@@ -140,6 +140,38 @@ def test_fused_moe_expert_map_with_missing_experts(top_k):
     assert out[0].abs().max() == 0
 
 
+def test_routing_keeps_expert_ids_valid_for_nan_logits():
+    """vLLM's warm-up passes before CUDA-graph capture feed uninitialised all-reduce outputs
+    through the model (its custom all-reduce returns ``empty_like`` there): NaN router logits
+    must still give ids of real experts (an id past the expert map read out of bounds under
+    TP2+EP). Rows without NaN route as before."""
+    logits = distinct_logits(6, 16, torch.float32, seed=3)
+    logits[1] = float("nan")
+    logits[3, :5] = float("nan")
+    w_ref, id_ref = topk_softmax.run("torch", logits[[0, 2, 4, 5]], 4, True)
+    w, ids = topk_softmax.run("triton", logits, 4, True)
+    assert ((ids >= 0) & (ids < 16)).all()
+    assert torch.equal(sort_by_id(w[[0, 2, 4, 5]], ids[[0, 2, 4, 5]])[1], sort_by_id(w_ref, id_ref)[1])
+    bias = torch.zeros(16, device=DEV)
+    _, gids = grouped_topk_sigmoid.run("triton", logits, bias, 4, 4, 2, 1.0, True)
+    assert ((gids >= 0) & (gids < 16)).all()
+
+
+def test_fused_moe_expert_map_ignores_ids_outside_the_map():
+    """Pairs whose id is outside the expert map (garbage routing) count as experts on no rank:
+    nothing is read past the map, and they add nothing."""
+    args, kw = make_moe(9, 48, 24, 4, 2, torch.float32, seed=5, global_experts=8)
+    x, w13, w2, w, ids = args
+    expert_map = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1], dtype=torch.int32, device=DEV)
+    bad = ids.clone()
+    bad[0, 0], bad[3, 1], bad[5, 0] = 8, 1 << 20, -5
+    out = fused_moe.run("triton", x, w13, w2, w, bad, expert_map=expert_map, **kw)
+    remote = bad.clone()
+    remote[0, 0] = remote[3, 1] = remote[5, 0] = 1  # expert 1 is on another rank
+    ref = fused_moe.run("torch", x, w13, w2, w, remote, expert_map=expert_map, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("tokens,top_k,inter,block", [(9, 2, 192, (128, 128)), (4, 8, 128, (128, 128)),
                                                       (6, 1, 128, (64, 128))])
 def test_fused_moe_fp8_block_scaled(tokens, top_k, inter, block):
