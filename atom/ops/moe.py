@@ -409,9 +409,13 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_exper
     :func:`atom.ops.moe_triton.warm_up`); once per process and layer shape. ``kwargs``: the
     layer's :func:`fused_moe` keywords. Returns the launches made: 0 when the op would not run
     Triton on the weights' device unless ``force`` (tests, under the Triton interpreter)."""
+    def part(v):  # tensors and None by presence; lists (block_shape) as tuples
+        if isinstance(v, torch.Tensor) or v is None:
+            return v is not None
+        return tuple(v) if isinstance(v, (list, tuple)) else v
+
     key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, act_dtype, str(w13.device), top_k, num_experts,
-           tuple(sorted((k, v is not None if isinstance(v, torch.Tensor) or v is None else v)
-                        for k, v in kwargs.items())))
+           tuple(sorted((k, part(v)) for k, v in kwargs.items())))
     if key in _WARMED:
         return 0
     if not force and fused_moe.backend_on(w13.device.type)[0] != "triton":

@@ -107,6 +107,17 @@ def test_moe_layer_warm_up_keeps_its_output():
     torch.testing.assert_close(layer(x, logits), before)
 
 
+def test_moe_warm_up_with_fp8_block_scales():
+    """The fp8 layer's keywords (scale tensors, a block_shape list) go through the warm-up."""
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(4, 256, 128, generator=g).to(torch.float8_e4m3fn).to(DEV)
+    w2 = torch.randn(4, 128, 128, generator=g).to(torch.float8_e4m3fn).to(DEV)
+    kw = dict(w13_scale=torch.full((4, 2, 1), 0.01, device=DEV), w2_scale=torch.full((4, 1, 1), 0.01, device=DEV),
+              block_shape=[128, 128])
+    n = moe_op.warm_up_fused_moe(w13, w2, 2, 4, act_dtype=torch.bfloat16, force=True, **kw)
+    assert n > 0 and moe_op.warm_up_fused_moe(w13, w2, 2, 4, act_dtype=torch.bfloat16, force=True, **kw) == 0
+
+
 # -- GPU: nothing compiles after the warm-up ---------------------------------------------------
 
 
