@@ -436,6 +436,13 @@ def serve_prompts(args: argparse.Namespace, out_len: int, conc: int) -> int:
     return max(n, conc, 4)
 
 
+def cell_seed(in_len: int, out_len: int, conc: int) -> int:
+    """The seed of a serving cell's prompts (the same on both sides, different per cell so that
+    vLLM's prefix cache never serves one cell's prompts from another's); warm-up, timed, profiled
+    and batch prompts add small offsets to it."""
+    return 7919 * conc + 31 * in_len + out_len
+
+
 def serve_cell(side: str, base_url: str, model: str, args: argparse.Namespace, workdir: Path, in_len: int,
                out_len: int, conc: int, n: int, tag: str = "", warmup: Optional[bool] = None) -> dict:
     """One ``vllm bench serve`` run (random dataset, ``--max-concurrency`` C, ignore_eos) after an
@@ -446,7 +453,7 @@ def serve_cell(side: str, base_url: str, model: str, args: argparse.Namespace, w
     cell, the same on both sides), so vLLM's prefix cache never serves one cell's prompts from
     another's."""
     fname = f"{side}_serve{tag}_{in_len}_{out_len}_c{conc}.json"
-    seed = 7919 * conc + 31 * in_len + out_len + (1 if tag else 0)
+    seed = cell_seed(in_len, out_len, conc) + (1 if tag else 0)
     common = ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
               "--model", model, "--tokenizer", model, "--dataset-name", "random",
               "--random-input-len", str(in_len), "--max-concurrency", str(conc), "--ignore-eos",
@@ -499,7 +506,7 @@ def batch_cell(side: str, srv: Any, model: str, vocab: int, in_len: int, out_len
     all C at once and nothing streams per token; output tokens over the request's wall time.
     The streaming cell just before it has compiled the cell's shapes. Returns {"batch_tok_s",
     "batch_s"} (or {"batch_error"})."""
-    seed = 7919 * conc + 31 * in_len + out_len + 2  # not the streaming cell's prompts (prefix cache)
+    seed = cell_seed(in_len, out_len, conc) + 2  # not the streaming cell's prompts (prefix cache)
     prompts = [p["prompt_token_ids"] for p in prompts_for(random.Random(seed), conc, in_len, vocab)]
     t0 = time.perf_counter()
     status, body = srv.post("/v1/completions", {

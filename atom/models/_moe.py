@@ -215,12 +215,15 @@ class FusedMoE(nn.Module):
         made."""
         if (self.w13.device.type != "cuda" and not force) or (self.w13.dtype == FP8_DTYPE and self.block_shape is None):
             return 0
-        fp8 = {} if self.block_shape is None else dict(
-            w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv, block_shape=list(self.block_shape))
         return ops.warm_up_fused_moe(self.w13, self.w2, self.top_k, self.num_experts, act_dtype=self.act_dtype,
-                                     force=force, expert_map=self.expert_map, w13_bias=self.w13_bias,
-                                     w2_bias=self.w2_bias if self.adds_w2_bias else None,
-                                     **self.activation_kwargs, **fp8)
+                                     force=force, **self._fused_moe_kwargs())
+
+    def _fused_moe_kwargs(self) -> dict:
+        """The keywords this layer passes to :func:`atom.ops.fused_moe` besides weights and routing."""
+        fp8 = {} if self.block_shape is None else dict(
+            w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv, block_shape=self.block_shape)
+        return dict(expert_map=self.expert_map, w13_bias=self.w13_bias,
+                    w2_bias=self.w2_bias if self.adds_w2_bias else None, **self.activation_kwargs, **fp8)
 
     def _repack_fp8(self) -> None:
         if self.quant is None or self.w13.dtype != FP8_DTYPE or self.block_shape is not None:
@@ -268,11 +271,7 @@ class FusedMoE(nn.Module):
         summed over the TP or EP group."""
         if self.block_shape is None and self.w13.dtype == FP8_DTYPE:
             raise RuntimeError("fp8 experts used before process_weights_after_loading() repacked them")
-        fp8 = {} if self.block_shape is None else dict(
-            w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv, block_shape=self.block_shape)
-        out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, expert_map=self.expert_map,
-                            w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.adds_w2_bias else None,
-                            **self.activation_kwargs, **fp8)
+        out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, **self._fused_moe_kwargs())
         if self.reduce_group is not None:
             out = self.reduce_group.all_reduce(out)
         return out

@@ -94,6 +94,7 @@ class Op:
     #: fuses the op with its neighbours; None: the op is always a graph-form node when traced.
     inductor_form: Optional[Impl] = field(default=None, repr=False)
     _impls: dict = field(init=False, repr=False)
+    _warmed: set = field(init=False, repr=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self._impls = {"torch": self.torch_impl, "triton": self.triton_impl, "aiter": self.aiter_impl}
@@ -170,6 +171,16 @@ class Op:
                 return self.graph_form(*args, **kwargs)
         backend, _ = self.backend_for(*args, **kwargs)
         return self._impls[backend](*args, **kwargs)
+
+    def claim_warm_up(self, key: Any, device_type: str, force: bool = False) -> bool:
+        """True the first time ``key`` is claimed for this op when its Triton kernels are what runs
+        on ``device_type`` (or ``force``: tests under the interpreter); the caller then launches
+        its warm-up. Kernel warm-ups at load (:func:`atom.ops.warm_up_paged_attention`,
+        :func:`atom.ops.warm_up_fused_moe`) happen once per process and layer shape."""
+        if key in self._warmed or (not force and self.backend_on(device_type)[0] != "triton"):
+            return False
+        self._warmed.add(key)
+        return True
 
     def unsupported(self, backend: str, *args: Any, **kwargs: Any) -> Optional[str]:
         """None when ``backend`` can run these arguments (as if forced), else the reason."""

@@ -244,9 +244,6 @@ paged_attention = register(Op(
 paged_attention.__doc__ = paged_attention_torch.__doc__
 
 
-_WARMED: set = set()
-
-
 def warm_up_paged_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                             page: int, device: Union[torch.device, str], *,
                             kv_dtype: Optional[torch.dtype] = None, sliding_window: Optional[int] = None,
@@ -258,11 +255,8 @@ def warm_up_paged_attention(num_heads: int, num_kv_heads: int, head_dim: int, dt
     interpreter)."""
     device = torch.device(device)
     key = (num_heads, num_kv_heads, head_dim, dtype, page, str(device), kv_dtype, sliding_window, sinks)
-    if key in _WARMED:
+    if not paged_attention.claim_warm_up(key, device.type, force):
         return 0
-    if not force and paged_attention.backend_on(device.type)[0] != "triton":
-        return 0
-    _WARMED.add(key)
     from atom.ops.attention_triton import warm_up  # lazy: Triton is optional
 
     return warm_up(num_heads, num_kv_heads, head_dim, dtype, page, device, kv_dtype=kv_dtype,

@@ -399,9 +399,6 @@ fused_moe = register(Op(
 ))
 
 
-_WARMED: set = set()
-
-
 def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, *,
                       act_dtype: torch.dtype, force: bool = False, **kwargs) -> int:
     """Compile, before the first request, the Triton kernels :func:`fused_moe` launches for a
@@ -416,11 +413,8 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_exper
 
     key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, act_dtype, str(w13.device), top_k, num_experts,
            tuple(sorted((k, part(v)) for k, v in kwargs.items())))
-    if key in _WARMED:
+    if not fused_moe.claim_warm_up(key, w13.device.type, force):
         return 0
-    if not force and fused_moe.backend_on(w13.device.type)[0] != "triton":
-        return 0
-    _WARMED.add(key)
     from atom.ops.moe_triton import warm_up  # lazy: Triton is optional
 
     return warm_up(w13, w2, top_k, num_experts, act_dtype, **kwargs)

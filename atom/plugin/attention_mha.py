@@ -76,26 +76,16 @@ def register() -> Optional[str]:
     return None
 
 
-def _current_block_size() -> int:
-    """The KV-cache block size of the vLLM config being built (vLLM's CUDA default, 16, when it
-    is not set yet or there is no config)."""
+def _current_config_int(section: str, name: str) -> Optional[int]:
+    """``vllm_config.<section>.<name>`` of the vLLM config being built, or None outside vLLM's
+    config context (an impl built by hand, e.g. in tests) or while it is unset."""
     from vllm.config import get_current_vllm_config
 
     try:
-        return int(get_current_vllm_config().cache_config.block_size or 16)
-    except Exception:
-        return 16
-
-
-def _current_max_num_seqs() -> Optional[int]:
-    """``max_num_seqs`` of the vLLM config being built, or None outside vLLM's config context
-    (an impl built by hand, e.g. in tests: no workspace reservation then)."""
-    from vllm.config import get_current_vllm_config
-
-    try:
-        return int(get_current_vllm_config().scheduler_config.max_num_seqs)
+        value = getattr(getattr(get_current_vllm_config(), section), name)
     except Exception:  # AssertionError on 0.26+ when no config is set; older releases return a default
         return None
+    return None if value is None else int(value)
 
 
 def split_kv_workspace_bytes(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int,
@@ -282,8 +272,8 @@ class ATOMAttentionImpl(AttentionImpl[ATOMAttentionMetadata]):
         self._write_cache_in_forward = ATOMAttentionBackend.forward_includes_kv_cache_update
         # vLLM builds the impl inside its config context (Attention.__init__); forward may run
         # outside it (compiled graphs, CUDA-graph capture), so the batch bound is read now.
-        self._workspace_seqs = _current_max_num_seqs()
-        self._block_size = _current_block_size()
+        self._workspace_seqs = _current_config_int("scheduler_config", "max_num_seqs")
+        self._block_size = _current_config_int("cache_config", "block_size") or 16  # vLLM's CUDA default
 
     def enable_fused_qk_norm_rope(self, fused: FusedQKNormRope) -> None:
         """From now on the layer passes q/k before QK-norm and RoPE; ``forward`` applies both and
