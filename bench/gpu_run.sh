@@ -102,8 +102,9 @@ for step in "$@"; do
               for f in "$d"/work/*/vllm-serve-*.log; do   # flat copies: nested folders do not come back
                   { grep -E "EngineCore.*(ERROR|Error|Traceback)|Worker.*(ERROR|Error)" "$f" | head -150
                     grep -E "ERROR|Error|Traceback|atom\]" "$f" | tail -40; } > "$d/$(basename "$f" .log).errors.txt"
-                  # the engine's own step statistics (throughput, running/waiting, KV-cache use, preemptions)
-                  grep -E "throughput|KV cache|[Pp]reempt|concurrency|CUDA graph|init engine|torch.compile|Compil" "$f" \
+                  # the engine's own step statistics (throughput, running/waiting, KV-cache use, preemptions) and
+                  # its start-up stages (weight loading, compile, graph capture)
+                  grep -E "throughput|KV cache|[Pp]reempt|concurrency|CUDA graph|init engine|torch.compile|Compil|[Ll]oading|took|Starting vLLM|startup complete" "$f" \
                       | tail -200 > "$d/$(basename "$f" .log).stats.txt"; done
               grep -E "^\[e2e|^\||^- |elapsed|FAILED|Error" "$d/e2e.txt" | tail -70 ;;
         agree) mkdir -p "$OUT/agree"
