@@ -19,14 +19,14 @@ fp8 latent caches (float8_e4m3fn) store ``value / kv_scale``; reads multiply by 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from atom.ops._dispatch import Op, register
 
 __all__ = ["mla_write_latent_cache", "mla_decode", "mla_write_latent_cache_torch",
-           "mla_decode_torch", "rope_torch"]
+           "mla_decode_torch", "rope_torch", "warm_up_mla_decode"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -275,3 +275,19 @@ mla_decode = register(Op(
     aiter_supports=_decode_aiter_supports,
     doc="MLA absorbed decode over the paged latent cache (split-KV in Triton).",
 ))
+
+
+def warm_up_mla_decode(num_heads: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
+                       page: int, device: Union[torch.device, str], *, force: bool = False) -> int:
+    """Compile, before the first request, the Triton variants that :func:`mla_decode` can launch
+    for a layer of these shapes (see :func:`atom.ops.mla_triton.warm_up`); once per process and
+    shape. Returns the launches made: 0 when the op would not run Triton on ``device`` (CPU,
+    AITER, a forced backend) unless ``force`` (tests, under the Triton interpreter)."""
+    device = torch.device(device)
+    key = (num_heads, kv_lora_rank, rope_dim, dtype, page, str(device))
+    if not mla_decode.claim_warm_up(key, device.type, force):
+        return 0
+    from atom.ops.mla_triton import warm_up  # lazy: Triton is optional
+
+    return warm_up(num_heads, kv_lora_rank, rope_dim, dtype, page, device)
+

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from atom import envs
 from atom.ops._dispatch import triton_interpreting
-from atom.ops.attention_triton import (choose_num_splits, dot_flags, next_pow2,
+from atom.ops.attention_triton import (WARM_UP_SPLITS, choose_num_splits, dot_flags, next_pow2,
                                        split_kv_reduce)
 from atom.ops.moe_triton import fp8_round_flag, to_fp8
 
@@ -231,3 +231,23 @@ def mla_decode_fwd(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch
     if not direct:
         split_kv_reduce(part_o, part_lse, out, num_splits)
     return out
+
+
+def warm_up(num_heads: int, rank: int, rope: int, dtype: torch.dtype, page: int,
+            device: torch.device) -> int:
+    """Launch every variant of the absorbed decode that a serving step can meet with these
+    shapes, on a tiny two-sequence batch: the direct path (one split) and the split-KV path
+    with every ``BLOCK_S`` bucket of its reduce (:data:`atom.ops.attention_triton.WARM_UP_SPLITS`).
+    The queries are views of one ``[T, H, rank + rope]`` tensor, as vLLM's concatenated decode
+    query is; the split count, block-table width and partial-LSE strides are not specialised,
+    so these launches cover every later batch. Returns the number of launches."""
+    ctx = 2 * page
+    blocks_per_seq = triton.cdiv(ctx, page)
+    cache = torch.zeros(2 * blocks_per_seq, page, rank + rope, dtype=dtype, device=device)
+    table = torch.arange(2 * blocks_per_seq, dtype=torch.int32, device=device).view(2, -1)
+    seq_lens = torch.full((2,), ctx, dtype=torch.int32, device=device)
+    q_nope, q_pe = torch.zeros(2, num_heads, rank + rope, dtype=dtype, device=device).split([rank, rope], -1)
+    for splits in WARM_UP_SPLITS:
+        mla_decode_fwd(q_nope, q_pe, cache, table, seq_lens, 1.0, max_seq_len=ctx, num_splits=splits)
+    return len(WARM_UP_SPLITS)
+

@@ -31,7 +31,8 @@ For DeepSeek-V2/V3 and Kimi-K2 shaped layers (``kv_lora_rank`` up to 512, ``qk_r
   (:func:`forward_mha_workspace_bytes`) so the KV-cache sizing leaves room for it.
 * After weight loading, vLLM's loader calls ``MLAAttention.process_weights_after_loading
   (act_dtype)``; mla_patch routes it to the plugin-mode ``impl.process_weights_after_loading``,
-  which splits ``kv_b_proj`` into the absorbed ``W_UK_T`` / ``W_UV`` atom's decode uses.
+  which splits ``kv_b_proj`` into the absorbed ``W_UK_T`` / ``W_UV`` atom's decode uses and,
+  on a GPU, compiles the MLA kernels' variants (``warm_up_kernels``).
 
 What vLLM calls is injected, not declared, on atom's classes (:class:`atom.patches.Injection`
 records, applied when the backend is chosen; ``revert`` restores the classes as declared):
@@ -395,6 +396,9 @@ class ATOMMLAImpl(MLAAttentionImpl[ATOMMLAMetadata]):
         self.kv_b_proj = kv_b_proj
         self.indexer = None
         self.q_pad_num_heads = None
+        from atom.plugin.attention_mha import _current_config_int
+
+        self._block_size = _current_config_int("cache_config", "block_size") or 16  # vLLM's CUDA default
         # Set by process_weights_after_loading: W_UK^T [H, nope, rank], W_UV [H, rank, v].
         self.W_UK_T: Optional[torch.Tensor] = None
         self.W_UV: Optional[torch.Tensor] = None
@@ -582,6 +586,45 @@ class ATOMMLAImpl(MLAAttentionImpl[ATOMMLAMetadata]):
         width = max(nope + rope, vdim)
         return buf[..., :width], buf[..., nope + rope + vdim - width:]
 
+    def warm_up_kernels(self, act_dtype: torch.dtype, *, force: bool = False) -> int:
+        """Compile the MLA kernels' variants now, at load, rather than in the first served batch
+        that needs each (the H100 MLA table timed a 1.45 s one-off TTFT without it): the
+        absorbed decode with every split-reduce bucket (:func:`atom.ops.warm_up_mla_decode`),
+        and the two prefill launches of :meth:`forward_mha`, both storing LSEs: new tokens over
+        themselves (causal, one-token pages) and a context chunk (16-token pages). Keys and
+        values come from :meth:`_up_project`, so their layout is the served one. Once per
+        process and layer shape; only on a GPU unless ``force`` (tests, under the Triton
+        interpreter). Returns the kernel launches made."""
+        from atom.ops import paged_attention, warm_up_mla_decode
+
+        device = self.W_UK_T.device if self.W_UK_T is not None else torch.device("cpu")
+        if device.type != "cuda" and not force:
+            return 0
+        heads, rank, rope = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        launches = warm_up_mla_decode(heads, rank, rope, act_dtype, self._block_size, device, force=force)
+        width = max(self.qk_nope_head_dim + rope, self.v_head_dim)
+        key = ("mla_prefill", heads, rank, rope, self.qk_nope_head_dim, self.v_head_dim, act_dtype, str(device))
+        if not paged_attention.claim_warm_up(key, device.type, force):
+            return launches
+        tokens, page = 2, 16
+        q = torch.zeros(tokens, heads, width, dtype=act_dtype, device=device)
+        part = torch.empty_like(q)
+        lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
+        qsl = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        q_lens = qsl[1:] - qsl[:-1]
+        latent = torch.zeros(page, rank + rope, dtype=act_dtype, device=device)
+        k, v = self._up_project(latent[:tokens], act_dtype)
+        table = torch.arange(tokens, dtype=torch.int32, device=device).view(1, tokens)
+        paged_attention(q, k.unsqueeze(1), v.unsqueeze(1), table, q_lens, qsl, tokens, tokens, self.scale,
+                        causal=True, out=part, lse=lse)
+        k, v = self._up_project(latent, act_dtype)
+        shape = (1, page, heads, width)
+        chunk_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        kv_lens = torch.full((1,), page, dtype=torch.int32, device=device)
+        paged_attention(q, k.view(shape), v.view(shape), chunk_table, kv_lens, qsl, tokens, page, self.scale,
+                        causal=False, out=part, lse=lse)
+        return launches + 2
+
 
 class VLLMMLABackendMethods(VLLMBackendMethods):
     """Source of the MLA backend decorator (record ``vllm.attention.mla_backend``): the shared
@@ -663,11 +706,13 @@ class _PluginModeMembers:
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Split ``kv_b_proj`` (dequantized to ``act_dtype`` by vLLM's helper) into the absorbed
-        decode weights: ``W_UK_T [H, nope, rank]`` and ``W_UV [H, rank, v]``."""
+        decode weights: ``W_UK_T [H, nope, rank]`` and ``W_UV [H, rank, v]``; then compile the
+        kernels' variants on a GPU (:meth:`ATOMMLAImpl.warm_up_kernels`)."""
         w_uk, w_uv = _split_kv_b_proj(self.kv_b_proj, act_dtype, self.kv_lora_rank, self.num_heads,
                                       self.qk_nope_head_dim, self.v_head_dim)
         self.W_UK_T = w_uk.permute(1, 2, 0).contiguous()  # [L, H, P] -> [H, P, L]
         self.W_UV = w_uv.transpose(0, 1).contiguous()  # [L, H, V] -> [H, L, V]
+        self.warm_up_kernels(act_dtype)
 
     def forward(
         self,

@@ -354,6 +354,48 @@ def test_profiling_run_without_metadata_returns_zeros(plugin_mode):
     assert not out.any()
 
 
+def test_warm_up_at_load_runs_every_mla_kernel_variant(vllm_config, plugin_mode, monkeypatch):
+    """``warm_up_kernels`` launches the decode once per split-reduce bucket and forward_mha's two
+    prefill launches (Triton interpreter, forced), once per shape; the layer computes the same
+    afterwards; off a GPU the post-load hook launches nothing."""
+    from atom.ops import attention_triton, mla_decode, paged_attention
+
+    _force_triton(monkeypatch)
+    monkeypatch.setattr(mla_decode, "_warmed", set())
+    monkeypatch.setattr(paged_attention, "_warmed", set())
+    torch.manual_seed(0)
+    impl = _impl(64, _KvBProj(64))
+    impl.process_weights_after_loading(torch.float32)  # CPU: no warm-up
+    assert mla_decode._warmed == set() and paged_attention._warmed == set()
+    w_uk, w_uv = impl.W_UK_T.clone(), impl.W_UV.clone()
+    assert impl.warm_up_kernels(torch.float32, force=True) == len(attention_triton.WARM_UP_SPLITS) + 2
+    assert impl.warm_up_kernels(torch.float32, force=True) == 0
+    torch.testing.assert_close(impl.W_UK_T, w_uk)
+    torch.testing.assert_close(impl.W_UV, w_uv)
+
+
+def test_post_load_hook_warms_up_with_vllms_block_size(vllm_config, plugin_mode, monkeypatch):
+    """The injected ``process_weights_after_loading`` calls the warm-up with vLLM's act dtype, and
+    the decode warm-up gets the block size of the vLLM config the layer was built in."""
+    import atom.ops as ops
+    from vllm.config import set_current_vllm_config
+
+    monkeypatch.setattr(vllm_config.cache_config, "block_size", 32)
+    with set_current_vllm_config(vllm_config):
+        impl = _impl(64, _KvBProj(64))
+    monkeypatch.undo()
+    calls = []
+    monkeypatch.setattr(ATOMMLAImpl, "warm_up_kernels", lambda self, dt, **k: calls.append(dt) or 0)
+    impl.process_weights_after_loading(torch.bfloat16)
+    assert calls == [torch.bfloat16]
+    monkeypatch.undo()
+    seen = []
+    monkeypatch.setattr(ops, "warm_up_mla_decode", lambda *a, **k: seen.append(a) or 0)
+    monkeypatch.setattr(ops.paged_attention, "claim_warm_up", lambda *a, **k: False)
+    impl.warm_up_kernels(torch.bfloat16, force=True)
+    assert seen == [(HEADS, 64, ROPE, torch.bfloat16, 32, torch.device("cpu"))]
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"sliding_window": 8}, "sliding window"),
     ({"kv_cache_dtype": "fp8"}, "fp8"),

@@ -1,4 +1,5 @@
-"""Kernel warm-up at load (``warm_up_paged_attention``, ``warm_up_fused_moe``): the launches cover
+"""Kernel warm-up at load (``warm_up_paged_attention``, ``warm_up_fused_moe``,
+``warm_up_mla_decode``): the launches cover
 every constexpr variant a serving step can meet, size-like integer arguments are not
 specialised (so no later batch size needs a new compile), and on a GPU no realistic call after
 the warm-up compiles anything (the first H100 tables timed 0.5-1.6 s stalls in the first batch
@@ -11,6 +12,7 @@ import torch
 
 from atom.ops import attention as attention_op
 from atom.ops import attention_triton, moe_triton
+from atom.ops import mla as mla_op
 from atom.ops import moe as moe_op
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,6 +87,22 @@ def test_attention_warm_up_is_a_no_op_where_triton_does_not_run():
     assert attention_op.warm_up_paged_attention(8, 2, 16, torch.float32, 16, "cpu", sliding_window=7) == 0
 
 
+def test_mla_decode_size_arguments_are_not_specialised():
+    from atom.ops import mla_triton
+
+    want = {"num_splits", "stride_bt", "stride_pl_t", "stride_pl_h"}
+    assert want <= set(_not_specialised(mla_triton._mla_decode_kernel))
+
+
+def test_mla_decode_warm_up_runs_once_per_shape(monkeypatch):
+    monkeypatch.setattr(mla_op.mla_decode, "_warmed", set())
+    key = dict(num_heads=4, kv_lora_rank=32, rope_dim=16, dtype=torch.float32, page=16, device=DEV)
+    assert mla_op.warm_up_mla_decode(**key, force=True) == len(attention_triton.WARM_UP_SPLITS)
+    assert mla_op.warm_up_mla_decode(**key, force=True) == 0  # done for this shape
+    # CPU tensors run the torch reference unless Triton is forced
+    assert mla_op.warm_up_mla_decode(4, 32, 16, torch.float32, 32, "cpu") == 0
+
+
 def test_moe_layer_warm_up_keeps_its_output():
     """An EP-sharded layer (expert_map) warms up through its own keywords and computes the same
     afterwards."""
@@ -151,6 +169,31 @@ def test_gpu_no_compile_after_attention_warm_up():
         qsl[1:] = q_lens.cumsum(0)
         q = torch.randn(int(qsl[-1]), hq, d, device="cuda", dtype=torch.bfloat16)
         attention_op.paged_attention(q, kv[0], kv[1], table, lens, qsl, int(q_lens.max()), int(lens.max()), d ** -0.5)
+    torch.cuda.synchronize()
+    assert [_compiled(k) for k in kernels] == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton's compile caches)")
+def test_gpu_no_compile_after_mla_decode_warm_up():
+    """DeepSeek-V3 latent sizes (128 heads, rank 512, rope 64), batches and contexts that choose
+    every split count from 1 to 64."""
+    from atom.ops import attention_triton as at
+    from atom.ops import mla_triton as mt
+
+    heads, rank, rope, page = 128, 512, 64, 16
+    mla_op.warm_up_mla_decode(heads, rank, rope, torch.bfloat16, page, "cuda")
+    kernels = (mt._mla_decode_kernel, at._split_kv_reduce_kernel)
+    before = [_compiled(k) for k in kernels]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for seqs, ctx in [(1, 100), (1, 4000), (3, 37), (8, 700), (32, 2048), (64, 1500), (256, 1100), (2, 130)]:
+        blocks = -(-ctx // page)
+        cache = torch.randn(seqs * blocks + 1, page, rank + rope, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(seqs * blocks, device="cuda", generator=g).view(seqs, blocks).int()
+        lens = torch.randint(max(1, ctx // 2), ctx + 1, (seqs,), device="cuda", generator=g).int()
+        q = torch.randn(seqs, heads, rank + rope, device="cuda", dtype=torch.bfloat16)
+        q_nope, q_pe = q.split([rank, rope], -1)
+        mla_op.mla_decode(q_nope, q_pe, cache, table, lens, 0.1, max_seq_len=int(lens.max()))
     torch.cuda.synchronize()
     assert [_compiled(k) for k in kernels] == before
 
