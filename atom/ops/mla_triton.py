@@ -250,4 +250,3 @@ def warm_up(num_heads: int, rank: int, rope: int, dtype: torch.dtype, page: int,
     for splits in WARM_UP_SPLITS:
         mla_decode_fwd(q_nope, q_pe, cache, table, seq_lens, 1.0, max_seq_len=ctx, num_splits=splits)
     return len(WARM_UP_SPLITS)
-
