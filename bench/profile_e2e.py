@@ -145,7 +145,7 @@ def busy_and_span_us(events: list[dict]) -> tuple[float, float]:
             busy, lo, hi = busy + hi - lo, a, b
         else:
             hi = max(hi, b)
-    return busy + hi - lo, max(b for _, b in iv) - iv[0][0]
+    return busy + hi - lo, hi - iv[0][0]  # intervals sorted by start: the last merged end is the latest
 
 
 def report(results: dict[str, dict], top: int) -> str:

@@ -176,7 +176,8 @@ class Op:
         """True the first time ``key`` is claimed for this op when its Triton kernels are what runs
         on ``device_type`` (or ``force``: tests under the interpreter); the caller then launches
         its warm-up. Kernel warm-ups at load (:func:`atom.ops.warm_up_paged_attention`,
-        :func:`atom.ops.warm_up_fused_moe`) happen once per process and layer shape."""
+        :func:`atom.ops.warm_up_mla_decode`, :func:`atom.ops.warm_up_fused_moe`) happen once per
+        process and layer shape."""
         if key in self._warmed or (not force and self.backend_on(device_type)[0] != "triton"):
             return False
         self._warmed.add(key)

@@ -560,6 +560,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
+    num_global = expert_map.numel() if expert_map is not None else num_local  # ids past it: no expert
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
@@ -582,7 +583,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         ids_flat = ids_flat.contiguous()
     _moe_align_kernel[(num_local,)](
         ids_flat, expert_map if expert_map is not None else ids_flat, sorted_ids, expert_ids,
-        num_post, num_pairs, num_local, expert_map.numel() if expert_map is not None else num_local,
+        num_post, num_pairs, num_local, num_global,
         BLOCK_M=bm, BLOCK_E=next_pow2(num_local + 1), CHUNK=align_chunk(num_pairs),
         HAS_MAP=expert_map is not None, num_warps=4,
     )
@@ -653,7 +654,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         block_h = min(1024, next_pow2(hidden))
         _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
             dst, ids_flat, expert_map if expert_map is not None else ids_flat, out, hidden,
-            expert_map.numel() if expert_map is not None else num_local,
+            num_global,
             dst.stride(0), out.stride(0), TOPK=top_k, BLOCK_H=block_h,
             HAS_MAP=expert_map is not None, num_warps=4,
         )

@@ -612,12 +612,10 @@ class ATOMMLAImpl(MLAAttentionImpl[ATOMMLAMetadata]):
         lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
         qsl = torch.tensor([0, tokens], dtype=torch.int32, device=device)
         q_lens = qsl[1:] - qsl[:-1]
-        latent = torch.zeros(page, rank + rope, dtype=act_dtype, device=device)
-        k, v = self._up_project(latent[:tokens], act_dtype)
+        k, v = self._up_project(torch.zeros(page, rank + rope, dtype=act_dtype, device=device), act_dtype)
         table = torch.arange(tokens, dtype=torch.int32, device=device).view(1, tokens)
-        paged_attention(q, k.unsqueeze(1), v.unsqueeze(1), table, q_lens, qsl, tokens, tokens, self.scale,
-                        causal=True, out=part, lse=lse)
-        k, v = self._up_project(latent, act_dtype)
+        paged_attention(q, k[:tokens].unsqueeze(1), v[:tokens].unsqueeze(1), table, q_lens, qsl, tokens, tokens,
+                        self.scale, causal=True, out=part, lse=lse)
         shape = (1, page, heads, width)
         chunk_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
         kv_lens = torch.full((1,), page, dtype=torch.int32, device=device)

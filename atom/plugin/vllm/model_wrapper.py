@@ -238,9 +238,8 @@ def model_parallel(groups: Any) -> ModelParallel:
     When the EP group holds the same ranks as the TP group (data_parallel_size == 1, the only
     EP layout atom's models accept), the experts' all-reduce goes over the TP group, as vLLM's
     own FusedMoE does: vLLM puts only the TP (and PP) group into CUDA-graph capture mode, and
-    its EP group has no custom all-reduce, so an EP-group all-reduce inside a captured graph
-    crashed the engine (TP2 + EP on an H200 host, vLLM 0.26: illegal memory access while
-    capturing the piecewise graphs)."""
+    its EP group has no custom all-reduce. (Tried first as the cause of a TP2 + EP crash at graph
+    capture; that crash was NaN routing, bench/NOTES.md entries 11-12.)"""
     tp = ModelParallel.of(groups)
     ep = getattr(groups, "ep_group", None)
     if ep is None:
