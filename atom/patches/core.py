@@ -237,11 +237,13 @@ def _install_patch(entry: _Entry, module: Any, path: str) -> None:
         entry.sites = [_Site(owner, name, current.__wrapped__, current)]
         entry.original, entry.state, entry.detail = current.__wrapped__, State.APPLIED, ""
         return
-    if rec.signature is not None:
-        actual = shape(current)
-        accepted = (rec.signature,) if isinstance(rec.signature, str) else tuple(rec.signature)
+    checks = ((rec.target, current, rec.signature),) if rec.signature is not None else ()
+    checks += tuple((target, _lookup_target(target), expected) for target, expected in rec.guards)
+    for target, obj, expected in checks:
+        actual = shape(obj)
+        accepted = (expected,) if isinstance(expected, str) else tuple(expected)
         if actual not in accepted:
-            _refuse(entry, f"signature of {rec.target} is {actual}, expected {' or '.join(accepted)}")
+            _refuse(entry, f"signature of {target} is {actual}, expected {' or '.join(accepted)}")
             return
     if rec.wrapper is not None:
         installed: Any = wrapt.FunctionWrapper(current, resolve(rec.wrapper))
@@ -257,6 +259,13 @@ def _install_patch(entry: _Entry, module: Any, path: str) -> None:
     _patch_aliases(entry)
     for alias in rec.aliases:
         _arm(split_target(alias)[0])
+
+
+def _lookup_target(target: str) -> Any:
+    """The raw attribute a ``"module:Owner.attr"`` names (imports the module)."""
+    module, path = split_target(target)
+    owner_path, _, name = path.rpartition(".")
+    return _lookup(_walk(importlib.import_module(module), owner_path), name)
 
 
 def _patch_aliases(entry: _Entry) -> None:
@@ -320,9 +329,20 @@ def _install_injection(entry: _Entry, cls: type) -> None:
 def _refresh_abstract(owner: Any) -> None:
     """An ABC computes ``__abstractmethods__`` once, at class creation: recompute it after members
     were injected or removed, so an injected abstract member makes the class instantiable and a
-    revert makes it abstract again."""
-    if isinstance(owner, type) and hasattr(owner, "__abstractmethods__"):
-        abc.update_abstractmethods(owner)
+    revert makes it abstract again -- for ``owner`` and every subclass of it, parents first (a
+    host's class that subclasses both an atom layer and the host's abstract base inherits the
+    members injected into the atom layer)."""
+    if not isinstance(owner, type):
+        return
+    todo, seen = [owner], set()
+    while todo:
+        klass = todo.pop(0)
+        if klass in seen:
+            continue
+        seen.add(klass)
+        if hasattr(klass, "__abstractmethods__"):
+            abc.update_abstractmethods(klass)
+        todo.extend(klass.__subclasses__())
 
 
 def apply_to_class(record: Injection, cls: type) -> Status:

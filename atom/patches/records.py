@@ -45,6 +45,10 @@ class _Common:
     upstream: str = ""
     #: When it can be deleted.
     removal: str = ""
+    #: The set this record belongs to, dotted (``"vllm.attention.mha"``): the code that applies
+    #: a set selects it from the registry (:meth:`atom.patches.Registry.select`) instead of
+    #: keeping its own list of records.
+    group: str = ""
 
     def __post_init__(self) -> None:
         split_target(self.target)
@@ -72,6 +76,10 @@ class Patch(_Common):
     #: Expected shape of the original's signature, e.g. ``"(self, act_dtype)"`` (or a tuple of
     #: shapes, one per vLLM release the wrapper was written for); ``None`` = unchecked.
     signature: str | tuple[str, ...] | None = None
+    #: Other attributes the wrapper relies on, with their expected shapes:
+    #: ``(("module:Owner.attr", "(self, x)" or a tuple of shapes), ...)``; checked like
+    #: ``signature`` before applying (e.g. a method the wrapper routes calls of).
+    guards: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,6 +87,8 @@ class Patch(_Common):
             raise ValueError(f"patch {self.id}: give exactly one of wrapper= or replacement=")
         for alias in self.aliases:
             split_target(alias)
+        for target, _ in self.guards:
+            split_target(target)
 
     kind = "patch"
 

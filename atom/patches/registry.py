@@ -41,6 +41,12 @@ class Registry:
     def __contains__(self, record_id: object) -> bool:
         return record_id in self._records
 
+    def select(self, group: str) -> tuple[Record, ...]:
+        """The records of ``group`` and of its sub-groups (``"vllm"`` selects
+        ``"vllm.attention.mha"``), in declaration order."""
+        return tuple(r for r in self._records.values()
+                     if r.group == group or r.group.startswith(group + "."))
+
 
 REGISTRY = Registry()
 
@@ -74,6 +80,7 @@ def listing(registry: Registry = REGISTRY) -> list[dict[str, str]]:
             "reason": rec.reason,
             "upstream": rec.upstream,
             "removal": rec.removal,
+            "group": rec.group,
         }
         if isinstance(rec, Patch):
             row["how"] = "wrap" if rec.wrapper is not None else "replace"
@@ -81,6 +88,9 @@ def listing(registry: Registry = REGISTRY) -> list[dict[str, str]]:
             row["members"] = rec.target.rpartition(".")[2] if "." in rec.target.partition(":")[2] else rec.target.partition(":")[2]
             sig = rec.signature or ""
             row["signature"] = sig if isinstance(sig, str) else " or ".join(sig)
+            for target, expected in rec.guards:
+                shapes = expected if isinstance(expected, str) else " or ".join(expected)
+                row["signature"] += f"; {target.partition(':')[2]}{shapes}"
             row["aliases"] = ", ".join(rec.aliases)
         else:
             assert isinstance(rec, Injection)

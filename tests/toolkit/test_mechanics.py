@@ -245,3 +245,54 @@ def test_signature_guard_accepts_any_listed_shape(monkeypatch):
                 signature=("(self, a)", "(self, x, b=...)"))
     with pytest.raises(PatchError, match=r"expected \(self, a\) or \(self, x, b=\.\.\.\)"):
         apply(bad, enabled=True)  # explicitly requested: a refusal raises
+
+
+def test_injection_into_a_host_neutral_layer_refreshes_its_framework_subclass(fresh):
+    """A decorator injects into atom's host-neutral layer; the framework's class (layer + the
+    framework's abstract base) inherits the member: instantiable once applied, abstract again
+    once reverted."""
+    _, _, backend = fresh
+    record = Injection(id="fixture.layer_forward", target=f"{T}.backend:HostNeutralLayer",
+                       members=("forward",), source=f"{T}.backend:PluginModeForward",
+                       base=f"{T}.backend:AbstractFrameworkImpl", signatures=(("forward", "(self, x)"),))
+    with pytest.raises(TypeError, match="abstract"):
+        backend.FrameworkImpl()
+    assert apply(record, enabled=True).state is State.APPLIED
+    assert not backend.FrameworkImpl.__abstractmethods__
+    assert backend.FrameworkImpl().forward(3) == ("forward", 6)
+    assert "forward" not in vars(backend.FrameworkImpl)  # inherited from the layer, not written there
+    assert revert(record)
+    assert backend.FrameworkImpl.__abstractmethods__ == frozenset({"forward"})
+    with pytest.raises(TypeError, match="abstract"):
+        backend.FrameworkImpl()
+    assert backend.HostNeutralLayer().run(2) == 4  # the layer itself is untouched
+
+
+def test_guards_check_the_other_attributes_a_wrapper_relies_on(fresh):
+    funcs, _, _ = fresh
+    ok = Patch(id="fixture.guarded", target=f"{T}.funcs:Greeter.say", wrapper=cat.upper_result,
+               signature="(self, name)", guards=((f"{T}.funcs:greet", "(name, punctuation=...)"),))
+    assert apply(ok).state is State.APPLIED
+    revert(ok)
+    bad = Patch(id="fixture.guarded_bad", target=f"{T}.funcs:Greeter.say", wrapper=cat.upper_result,
+                signature="(self, name)", guards=((f"{T}.funcs:greet", ("(name)", "(who)")),))
+    st = apply(bad)
+    assert st.state is State.REFUSED
+    assert f"signature of {T}.funcs:greet is (name, punctuation=...), expected (name) or (who)" in st.detail
+    assert funcs.Greeter().say("x") == funcs.Greeter().say("x").lower()  # not applied
+    missing = Patch(id="fixture.guarded_missing", target=f"{T}.funcs:Greeter.say", wrapper=cat.upper_result,
+                    guards=((f"{T}.funcs:vanished", "()"),))
+    assert apply(missing).state is State.REFUSED
+
+
+def test_registry_selects_a_group_and_its_subgroups():
+    from atom.patches import Registry
+
+    reg = Registry()
+    a = reg.add(Patch(id="g.a", target="m:f", wrapper=cat.exclaim, group="host.attention.mha"))
+    b = reg.add(Patch(id="g.b", target="m:g", wrapper=cat.exclaim, group="host.attention"))
+    c = reg.add(Patch(id="g.c", target="m:h", wrapper=cat.exclaim, group="host.layers"))
+    reg.add(Patch(id="g.d", target="m:i", wrapper=cat.exclaim, group="hostile"))
+    assert reg.select("host.attention.mha") == (a,)
+    assert reg.select("host.attention") == (a, b)
+    assert reg.select("host") == (a, b, c)  # not "hostile": a group is a dotted prefix
