@@ -27,8 +27,9 @@ def _cmd_patches(args: argparse.Namespace) -> int:
     width = max(len(r["id"]) for r in rows)
     for r in rows:
         state = r["state"] + (f" ({r['detail']})" if r["detail"] else "")
-        print(f"{r['id']:<{width}}  {r['kind']:<9}  {state}")
-        print(f"{'':<{width}}  target: {r['target']}  vLLM {r['vllm']}  how: {r['how']}")
+        kind = "decorator" if r["kind"] == "injection" else "patch"
+        print(f"{r['id']:<{width}}  {kind:<9}  {state}")
+        print(f"{'':<{width}}  group: {r['group'] or '-'}  target: {r['target']}  vLLM {r['vllm']}  how: {r['how']}")
         print(f"{'':<{width}}  reason: {r['reason']}")
     return 0
 

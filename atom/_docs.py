@@ -1,4 +1,5 @@
-"""Generated documentation: docs/env_vars.md from atom.envs, docs/patches.md from the registry.
+"""Generated documentation: docs/env_vars.md from atom.envs, docs/patches.md from the registry,
+docs/supported_models.md from the architecture table, docs/modules.md from the module docstrings.
 
 ``python -m atom docs --write`` regenerates them; tests/test_docs_sync.py fails when they differ.
 """
@@ -37,23 +38,32 @@ def render_patches() -> str:
     catalog.load()
     rows = [r for r in listing(REGISTRY) if not r["id"].startswith("fixture.")]
     lines = [
-        HEADER.format(src="the patch registry (atom/plugin/vllm/patches.py)"),
+        HEADER.format(src="the patch registry (atom/plugin/vllm/records.py)"),
         "# Patches and injections\n\n",
-        "Every change atom makes to a vLLM class or module is one record in the registry. Each is "
-        "applied (or armed until its module is imported) by `register_model` in every vLLM "
-        "process, refused with one warning when the installed vLLM is outside its range or the "
-        "target's signature changed, and can be switched off: `ATOM_DISABLED_PATCHES=<id>[,<id>]` "
-        "(`*` = all), its own toggle variable, or `ATOM_DISABLE_VLLM_PLUGIN=1` for everything. "
-        "`python -m atom patches` shows the live state in your environment.\n\n",
-        "| id | kind | target | how | vLLM | toggle | expected signature | reason | upstream | removal |\n",
-        "|---|---|---|---|---|---|---|---|---|---|\n",
+        "Everything atom applies under vLLM is one record in the registry, of two kinds:\n\n"
+        "- **decorators** (injections) bind atom's own host-neutral layers (`atom.models`) to vLLM: "
+        "they add the members vLLM calls (backend classmethods, the metadata builder's `build`, the "
+        "impl's `forward`, `process_weights_after_loading`, `quant_method`) to atom's classes; "
+        "vLLM's classes are not touched;\n"
+        "- **patches** wrap a method of vLLM's own classes (mla_patch: vLLM's `MLAAttention` "
+        "routed to atom's impl, for atom's layers only).\n\n"
+        "Each is applied (or armed until its module is imported) by `register_model` in every vLLM "
+        "process, refused with one warning when the installed vLLM is outside its range or a "
+        "signature it relies on changed, and can be switched off: `ATOM_DISABLED_PATCHES=<id>[,<id>]` "
+        "(`*` = all), its own toggle variable, or `ATOM_DISABLE_VLLM_PLUGIN=1` for everything. A "
+        "group's records are applied together: atom's attention backend of a kind is only handed to "
+        "vLLM while every record of its group is applied. `python -m atom patches` shows the live "
+        "state in your environment.\n\n",
+        "| id | group | kind | target | how | vLLM | toggle | expected signature | reason | upstream | removal |\n",
+        "|---|---|---|---|---|---|---|---|---|---|---|\n",
     ]
     for r in rows:
         how = f"{r['how']} `{r['with'].rpartition(':')[2]}`"
         if r["kind"] == "injection":
             how += f" ({r['members']})"
         lines.append(
-            f"| `{r['id']}` | {r['kind']} | `{_cell(r['target'])}` | {_cell(how)} | {_cell(r['vllm'])} "
+            f"| `{r['id']}` | {r['group']} | {'decorator' if r['kind'] == 'injection' else 'patch'} "
+            f"| `{_cell(r['target'])}` | {_cell(how)} | {_cell(r['vllm'])} "
             f"| {_cell(r['toggle'] or '-')} | `{_cell(r['signature'] or '-')}` | {_cell(r['reason'])} "
             f"| {_cell(r['upstream'])} | {_cell(r['removal'])} |\n"
         )
@@ -79,10 +89,35 @@ def render_supported_models() -> str:
     return "".join(lines)
 
 
+def render_modules() -> str:
+    """The layout of the package: one line per module, its docstring's first paragraph."""
+    import ast
+
+    root = repo_root()
+    lines = [
+        HEADER.format(src="the module docstrings under atom/"),
+        "# Modules\n\n",
+        "One line per module of the `atom` package, in import-path order. Layers: `atom.ops` "
+        "(kernels) and `atom.models` (models and their host-neutral layers) import no host "
+        "framework; `atom.plugin.<host>` binds them to one (vLLM today); `atom.patches` is the "
+        "toolkit that applies and reverts those bindings "
+        "(`tests/toolkit/test_import_purity.py` checks the layering).\n\n",
+        "| module | what it is |\n|---|---|\n",
+    ]
+    for path in sorted((root / "atom").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        lines.append(f"| `{'.'.join(parts)}` | {_cell(doc.split(chr(10) * 2)[0])} |\n")
+    return "".join(lines)
+
+
 GENERATED = {
     "docs/env_vars.md": render_env_vars,
     "docs/patches.md": render_patches,
     "docs/supported_models.md": render_supported_models,
+    "docs/modules.md": render_modules,
 }
 
 

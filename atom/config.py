@@ -1,6 +1,6 @@
 """atom's own configuration, independent of any host framework.
 
-The plugin layer (``atom.plugin.config``) translates the host's configuration (vLLM's
+The plugin layer (``atom.plugin.vllm.config``) translates the host's configuration (vLLM's
 ``VllmConfig``) into this; atom's models and kernels only ever see these plain, typed values.
 """
 

@@ -89,16 +89,16 @@ def _attention_choices(vllm_installed: bool) -> dict[str, dict[str, Any]]:
         return {kind: {"atom_backend": None, "reason": "vLLM is not installed"} for kind in ("mha", "mla")}
     import torch
 
-    from atom.plugin.register import select_attention_backend
     from atom.plugin.vllm import compat
+    from atom.plugin.vllm.selection import attention_backend
 
     cls = compat.selector_config_cls()
     base = dict(dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
     # MLA: DeepSeek-V3's latent head (kv_lora_rank 512 + rope 64)
     head_size = {"mha": 128, "mla": 576}
     return {
-        kind: dict(zip(("atom_backend", "reason"), select_attention_backend(
-            cls(**base, head_size=head_size[kind], use_mla=kind == "mla"))))
+        kind: dict(zip(("atom_backend", "reason"), attention_backend(
+            None, cls(**base, head_size=head_size[kind], use_mla=kind == "mla"))[:2]))
         for kind in ("mha", "mla")
     }
 
@@ -106,15 +106,13 @@ def _attention_choices(vllm_installed: bool) -> dict[str, dict[str, Any]]:
 def _patch_states(vllm_installed: bool) -> list[dict[str, str]]:
     from atom.patches import REGISTRY, listing
     from atom.plugin import catalog
-    from atom.plugin.vllm import patches
+    from atom.plugin.vllm import records
 
     catalog.load()
     if vllm_installed:
         # Arm exactly as register_model does, then import each target so the real state shows.
-        patches.arm_all()
+        records.arm_all()
         for rec in REGISTRY:
-            if not rec.module.startswith("vllm"):
-                continue
             try:
                 importlib.import_module(rec.module)
             except Exception:  # an unimportable target stays "armed": the listing says so

@@ -18,8 +18,11 @@ def clean_env(monkeypatch):
     for name in ("ATOM_DISABLE_VLLM_PLUGIN", "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION",
                  "ATOM_DISABLED_PATCHES", "ATOM_ALLOW_UNSUPPORTED_VLLM", "ATOM_OPS_BACKEND"):
         monkeypatch.delenv(name, raising=False)
-    from atom.patches import apply, is_applied
-    from atom.plugin.vllm.patches import VLLM_RECORDS
+    from atom.patches import REGISTRY, apply, is_applied
+    from atom.plugin import catalog
+
+    catalog.load()
+    VLLM_RECORDS = REGISTRY.select("vllm")
 
     # Each test starts with every record reverted (doctor's report then reflects its own checks)
     # and leaves the process as found: engines later in this process rely on vLLM's cached
@@ -47,10 +50,11 @@ def test_active(capsys):
     assert "platform with atom:    atom.plugin.vllm.platform_cpu.ATOMCpuPlatform" in out
     assert "platform without atom: vllm.platforms.cpu.CpuPlatform" in out
     assert "vLLM support: yes" in out and "device: cpu" in out
-    assert "vllm.attention.pwal_default_dtype: applied" in out
+    assert "vllm.mla.process_weights_after_loading: applied" in out
+    assert "vllm.attention.mha_impl: applied" in out
     assert "rms_norm" in out and "torch" in out  # per-op backend and why
-    assert "  mha: atom.plugin.attention_mha.ATOMAttentionBackend (atom MHA backend)" in out
-    assert "  mla: atom.plugin.attention_mla.ATOMMLABackend (atom MLA backend)" in out
+    assert "  mha: atom.plugin.vllm.attention_mha.ATOMAttentionBackend (atom MHA backend)" in out
+    assert "  mla: atom.plugin.vllm.attention_mla.ATOMMLABackend (atom MLA backend)" in out
     assert out.strip().splitlines()[-1].startswith("atom would activate")
 
 
@@ -75,7 +79,7 @@ def test_unsupported_vllm(monkeypatch, capsys):
     assert last.startswith("atom would NOT activate: vLLM 0.25.1 is outside the supported range >=0.26,<0.34")
     assert "ATOM_ALLOW_UNSUPPORTED_VLLM=1" in last
     # the patch record's own version guard refuses it too
-    assert "vllm.attention.pwal_default_dtype: refused (installed vLLM 0.25.1 is outside" in out
+    assert "vllm.mla.process_weights_after_loading: refused (installed vLLM 0.25.1 is outside" in out
 
 
 def test_attention_disabled(monkeypatch, capsys):
@@ -108,4 +112,4 @@ def test_cli_json():
 
     report = json.loads(proc.stdout)
     assert report["active"] is True and report["platform"]["atom_active"] is True
-    assert {p["id"] for p in report["patches"]} >= {"vllm.attention.pwal_default_dtype"}
+    assert {p["id"] for p in report["patches"]} >= {"vllm.mla.process_weights_after_loading"}

@@ -37,7 +37,7 @@ class ModelParallel:
     MoE layers use instead of the TP group when the config enables expert parallelism).
 
     ``tp_group`` is required when ``tp_size > 1``, ``ep_group`` when ``ep_size > 1``; with one
-    rank no collective is ever called. ``atom.plugin.register.ParallelGroups`` (vLLM's groups)
+    rank no collective is ever called. ``atom.plugin.vllm.model_wrapper.vllm_groups()`` (vLLM's groups)
     has the TP fields.
     """
 

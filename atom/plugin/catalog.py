@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-#: Modules that declare records at import (each must not import vLLM or torch).
-CATALOG_MODULES = ("atom.plugin.vllm.patches", "atom.plugin.moe", "atom.plugin.vllm.mla_patch")
+#: Modules that declare records at import (each must import neither vLLM nor torch).
+CATALOG_MODULES = ("atom.plugin.vllm.records",)
 
 
 def load(include_test_fixtures: bool = False) -> None:

@@ -48,19 +48,21 @@ def use_vllm_deepseek() -> None:
 
 
 def install_step_check(stats: dict[str, Any]) -> None:
-    """Wrap atom's MLA impl ``forward`` so that every step's output is compared with dense MLA
+    """Wrap atom's MLA impl ``forward`` (before the engine is built: mla_patch binds each layer to
+    its impl's forward when the layer's weights are processed) so that, once ``stats["active"]``
+    is set, every step's output is compared with dense MLA
     computed from the latent cache (weights straight from ``kv_b_proj``, causal over each
     request's whole context): the oracle for chunked prefill and prefix-cache hits, which
     vLLM's CPU_MLA cannot run. Records the worst difference and what kinds of steps ran."""
     import torch
 
-    from atom.plugin.attention_mla import ATOMMLAImpl
+    from atom.plugin.vllm.attention_mla import ATOMMLAImpl
 
     inner = ATOMMLAImpl.forward
 
-    def forward(self, layer, q, kv_c, k_pe, kv_cache, md, output, *args):
-        result = inner(self, layer, q, kv_c, k_pe, kv_cache, md, output, *args)
-        if md is None:
+    def forward(self, layer, q, kv_c, k_pe, kv_cache, md, output, *args, **kwargs):
+        result = inner(self, layer, q, kv_c, k_pe, kv_cache, md, output, *args, **kwargs)
+        if md is None or not stats["active"]:  # vLLM's own start-up runs are not the test's steps
             return result
         qsl, seq_lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
         block = kv_cache.shape[1]
@@ -89,7 +91,8 @@ def install_step_check(stats: dict[str, Any]) -> None:
         stats["chunk_tokens"] = self.context_chunk_tokens
         return result
 
-    stats.update(max_diff=0.0, steps=0, mixed_steps=0, extend_steps=0, max_context_chunks=0, chunk_tokens=None)
+    stats.update(max_diff=0.0, steps=0, mixed_steps=0, extend_steps=0, max_context_chunks=0, chunk_tokens=None,
+                 active=False)
     ATOMMLAImpl.forward = forward
 
 
@@ -114,12 +117,13 @@ def run(model_dir: str, prompts: list, engine_kwargs: dict[str, Any] | None = No
     use_vllm_deepseek()
     from vllm import LLM, SamplingParams
 
+    stats: dict[str, Any] = {}
+    if check:  # before the engine: each layer binds its impl's forward when its weights load
+        install_step_check(stats)
     llm = LLM(model=model_dir, **kwargs)
+    stats["active"] = True
     try:
         out: dict[str, Any] = _model_info(llm)
-        stats: dict[str, Any] = {}
-        if check:
-            install_step_check(stats)
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1) for _, n in prompts]
         outputs = llm.generate([{"prompt_token_ids": p} for p, _ in prompts], params, use_tqdm=False)
         out["rows"] = [{
@@ -127,10 +131,9 @@ def run(model_dir: str, prompts: list, engine_kwargs: dict[str, Any] | None = No
             "logprobs": [float(e[t].logprob) for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
         } for o in outputs]
         out["steps"] = stats
-        from atom.patches import status
-        from atom.plugin.vllm import mla_patch
+        from atom.patches import REGISTRY, status
 
-        out["patches"] = {rec.id: status(rec).state.value for rec in mla_patch.RECORDS}
+        out["patches"] = {rec.id: status(rec).state.value for rec in REGISTRY.select("vllm.attention.mla")}
         sched = llm.llm_engine.vllm_config.scheduler_config
         out["chunked_prefill"] = bool(sched.enable_chunked_prefill)
         out["prefix_caching"] = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)

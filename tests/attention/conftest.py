@@ -1,15 +1,17 @@
-"""atom's backend classes are vLLM classes only once the decorators are applied (as
-``select_attention_backend`` does in a vLLM process); tests that use them directly apply them."""
+"""atom's attention layers become vLLM classes only once their decorators are applied (as the
+platform's attention selection does in a vLLM process); tests that use the vLLM classes directly
+apply them."""
 
 import pytest
 
 
 @pytest.fixture(autouse=True)
 def attention_decorators():
-    from atom.patches import apply
-    from atom.plugin.vllm.patches import ATTENTION_DECORATORS
+    from atom.patches import REGISTRY, Injection, apply
+    from atom.plugin import catalog
 
-    for kind in ("mha", "mla"):
-        for record in ATTENTION_DECORATORS[kind]:
+    catalog.load()
+    for record in REGISTRY.select("vllm.attention"):
+        if isinstance(record, Injection):
             apply(record, enabled=True)
     yield

@@ -9,15 +9,15 @@ import inspect
 import pytest
 import torch
 
+from atom.models.attention.mha import PagedAttentionMetadata
 from atom.patches.signatures import unwrap_descriptor
-from atom.plugin import register as plugin_register
-from atom.plugin.attention_mha import (
+from atom.plugin.vllm.attention_mha import (
     BACKEND_QUALNAME,
     ATOMAttentionBackend,
     ATOMAttentionImpl,
-    ATOMAttentionMetadata,
     ATOMAttentionMetadataBuilder,
 )
+from atom.plugin.vllm.selection import attention_backend
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -56,9 +56,21 @@ def _compatible(ours, base) -> list[str]:
 
 
 def _overrides(cls, base):
-    for name, member in vars(cls).items():
-        if callable(unwrap_descriptor(member)) and not name.startswith("__") or name == "__init__":
+    """Every method vLLM finds on ``cls`` before its own base: written in the vLLM class or
+    injected into the atom layer it subclasses."""
+    seen = set()
+    for klass in cls.__mro__[: cls.__mro__.index(base)]:
+        for name, member in vars(klass).items():
+            if name in seen or not (callable(unwrap_descriptor(member)) and not name.startswith("__")
+                                    or name == "__init__"):
+                continue
+            seen.add(name)
             yield name, member, inspect.getattr_static(base, name, None)
+
+
+def select(cfg):
+    """(qualname or None, reason) of the one attention decision, as the platform asks it."""
+    return tuple(attention_backend(None, cfg)[:2])
 
 
 @pytest.mark.parametrize("cls,base", [
@@ -131,7 +143,7 @@ def attention_on(monkeypatch):
     {"kv_cache_dtype": "bfloat16"}, {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"},
 ])
 def test_selected(attention_on, kw):
-    assert plugin_register.select_attention_backend(_selector(**kw)) == (BACKEND_QUALNAME, "atom MHA backend")
+    assert select(_selector(**kw)) == (BACKEND_QUALNAME, "atom MHA backend")
 
 
 @pytest.mark.parametrize("kw,why", [
@@ -147,17 +159,17 @@ def test_selected(attention_on, kw):
     ({"use_pcp": True}, "PCP not supported"),
 ])
 def test_refused_with_reason(attention_on, kw, why):
-    choice, reason = plugin_register.select_attention_backend(_selector(**kw))
+    choice, reason = select(_selector(**kw))
     assert choice is None
     assert reason.startswith("atom's MHA backend does not support this layer: ") and why in reason
 
 
 def test_mla_and_sparse_and_disabled(attention_on, monkeypatch):
     # MLA layers go to atom's MLA backend (tests/attention/test_mla_backend.py)
-    assert plugin_register.select_attention_backend(_selector(use_mla=True, head_size=576))[1] == "atom MLA backend"
-    assert plugin_register.select_attention_backend(_selector(use_sparse=True))[0] is None
+    assert select(_selector(use_mla=True, head_size=576))[1] == "atom MLA backend"
+    assert select(_selector(use_sparse=True))[0] is None
     monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", "1")
-    assert plugin_register.select_attention_backend(_selector()) == (
+    assert select(_selector()) == (
         None, "disabled by ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1")
 
 
@@ -171,13 +183,13 @@ def test_registers_custom_idempotently_and_never_takes_it_from_another_plugin(at
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     custom = AttentionBackendEnum.CUSTOM
-    assert plugin_register.select_attention_backend(_selector())[0] == BACKEND_QUALNAME
+    assert select(_selector())[0] == BACKEND_QUALNAME
     assert custom.get_path() == BACKEND_QUALNAME and custom.get_class() is ATOMAttentionBackend
-    assert plugin_register.select_attention_backend(_selector())[0] == BACKEND_QUALNAME
+    assert select(_selector())[0] == BACKEND_QUALNAME
     assert AttentionBackendEnum[ATOMAttentionBackend.get_name()] is custom
     try:
         register_backend(custom, "other.plugin.Backend")
-        assert plugin_register.select_attention_backend(_selector()) == (
+        assert select(_selector()) == (
             None, "AttentionBackendEnum.CUSTOM is already registered to other.plugin.Backend")
     finally:
         register_backend(custom, BACKEND_QUALNAME)
@@ -230,7 +242,7 @@ def _builder(vllm_config):
 def test_build_passes_vllm_tensors_through(vllm_config):
     common = _common_metadata("cpu")
     md = _builder(vllm_config).build(0, common)
-    assert isinstance(md, ATOMAttentionMetadata)
+    assert isinstance(md, PagedAttentionMetadata)
     assert (md.num_actual_tokens, md.num_reqs, md.max_query_len, md.max_seq_len, md.causal) == (9, 3, 5, 16, True)
     assert md.query_start_loc is common.query_start_loc and md.seq_lens is common.seq_lens
     assert md.block_table is common.block_table_tensor and md.slot_mapping is common.slot_mapping

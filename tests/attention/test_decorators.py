@@ -1,7 +1,8 @@
-"""The attention decorators: each record lists exactly what it injects, every injected member has
-the shape of the vLLM base member it stands in for, apply makes atom's classes a vLLM backend,
-revert restores the classes as declared, and the environment can switch them off (then atom's
-backend is not handed to vLLM)."""
+"""The attention decorators: each record injects into an atom layer that imports no vLLM exactly
+what its source defines; every injected member has the shape of the vLLM base member it stands
+in for; the vLLM class vLLM is handed writes none of them itself; apply makes those classes
+vLLM classes, revert leaves atom's layers as declared (the vLLM classes abstract again); and
+the environment can switch them off (then atom's backend is not handed to vLLM)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,33 @@ import inspect
 import pytest
 import torch
 
-from atom.patches import State, apply, is_applied, revert, status
+from atom.models.attention import mha, mla
+from atom.patches import REGISTRY, Injection, State, apply, is_applied, revert, status
 from atom.patches.signatures import shape, unwrap_descriptor
-from atom.plugin import attention, attention_mha, attention_mla
-from atom.plugin import register as plugin_register
-from atom.plugin.vllm import patches
+from atom.plugin import catalog
+from atom.plugin.vllm import attention, attention_mha, attention_mla
+from atom.plugin.vllm.selection import attention_backend
 from tests.attention.test_backend import _common_metadata, _compatible, _selector
-from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, MLAAttentionImpl
 
-MHA = patches.ATTENTION_DECORATORS["mha"]
-MLA = patches.ATTENTION_DECORATORS["mla"]
+catalog.load()
+MHA = REGISTRY.select("vllm.attention.mha")
+MLA = REGISTRY.select("vllm.attention.mla")
+DECORATORS = tuple(r for r in MHA + MLA if isinstance(r, Injection))
+#: record id -> (atom's layer it injects into, the vLLM class vLLM is handed, vLLM's base, source)
 BASES = {
-    "vllm.attention.mha_backend": (attention_mha.ATOMAttentionBackend, AttentionBackend, attention.VLLMBackendMethods),
-    "vllm.attention.mha_builder": (attention_mha.ATOMAttentionMetadataBuilder, AttentionMetadataBuilder,
-                                   attention.VLLMBuilderMethods),
-    "vllm.attention.mha_impl": (attention_mha.ATOMAttentionImpl, AttentionImpl, attention_mha.VLLMMHAImplMethods),
-    "vllm.attention.mla_backend": (attention_mla.ATOMMLABackend, AttentionBackend,
-                                   attention_mla.VLLMMLABackendMethods),
-    "vllm.attention.mla_builder": (attention_mla.ATOMMLAMetadataBuilder, AttentionMetadataBuilder,
-                                   attention.VLLMBuilderMethods),
+    "vllm.attention.mha_backend": (mha.PagedAttentionBackend, attention_mha.ATOMAttentionBackend,
+                                   AttentionBackend, attention.VLLMBackendMethods),
+    "vllm.attention.mha_builder": (mha.PagedAttentionMetadataBuilder, attention_mha.ATOMAttentionMetadataBuilder,
+                                   AttentionMetadataBuilder, attention.VLLMBuilderMethods),
+    "vllm.attention.mha_impl": (mha.PagedAttentionImpl, attention_mha.ATOMAttentionImpl, AttentionImpl,
+                                attention.MHAImplMethods),
+    "vllm.attention.mla_backend": (mla.MLABackend, attention_mla.ATOMMLABackend, AttentionBackend,
+                                   attention.VLLMMLABackendMethods),
+    "vllm.attention.mla_builder": (mla.MLAMetadataBuilder, attention_mla.ATOMMLAMetadataBuilder,
+                                   AttentionMetadataBuilder, attention.VLLMBuilderMethods),
+    "vllm.attention.mla_impl": (mla.MLAttentionImpl, attention_mla.ATOMMLAImpl, MLAAttentionImpl,
+                                attention.MLAImplMethods),
 }
 
 
@@ -39,35 +48,43 @@ def _source_members(source) -> set:
             if callable(unwrap_descriptor(v)) and not n.startswith("__")}
 
 
-def test_member_lists_are_the_decorators_sources():
-    assert patches.BACKEND_MEMBERS == attention.BACKEND_MEMBERS
-    assert patches.BUILDER_MEMBERS == attention.BUILDER_MEMBERS
-    for record in MHA + MLA:
-        cls, _, source = BASES[record.id]
-        assert record.target == f"{cls.__module__}:{cls.__qualname__}"
+def select(cfg):
+    return tuple(attention_backend(None, cfg)[:2])
+
+
+def test_every_decorator_is_covered_and_targets_atoms_own_layer():
+    assert {r.id for r in DECORATORS} == set(BASES)
+    for record in DECORATORS:
+        layer, vllm_cls, base, source = BASES[record.id]
+        assert record.target == f"{layer.__module__}:{layer.__qualname__}"
         assert record.source == f"{source.__module__}:{source.__qualname__}"
         assert set(record.members) == _source_members(source), record.id  # exactly what the source defines
+        # atom's layer is host-neutral: no vLLM class anywhere in its ancestry
+        assert not any(k.__module__.startswith("vllm") for k in layer.__mro__), record.id
+        # the vLLM class is atom's layer plus vLLM's base, and writes no injected member itself
+        assert issubclass(vllm_cls, layer) and issubclass(vllm_cls, base)
+        assert not set(record.members) & set(vars(vllm_cls)), record.id
     # MLA: the shared members plus is_mla; its overrides stay inside the shared member list
-    assert MLA[0].members == attention.BACKEND_MEMBERS + ("is_mla",)
-    assert set(vars(attention_mla.VLLMMLABackendMethods)) & set(_source_members(attention_mla.VLLMMLABackendMethods)) \
+    backend_members = REGISTRY.get("vllm.attention.mha_backend").members
+    assert REGISTRY.get("vllm.attention.mla_backend").members == backend_members + ("is_mla",)
+    assert set(vars(attention.VLLMMLABackendMethods)) & _source_members(attention.VLLMMLABackendMethods) \
         == {"is_mla", "supports_head_size", "supported_kv_cache_layouts"}
-    assert MLA[1].members == attention.BUILDER_MEMBERS
 
 
-@pytest.mark.parametrize("record", MHA + MLA, ids=lambda r: r.id)
+@pytest.mark.parametrize("record", DECORATORS, ids=lambda r: r.id)
 def test_every_injected_member_fits_the_vllm_base(record):
-    cls, base, _ = BASES[record.id]
+    layer, vllm_cls, base, source = BASES[record.id]
     checked = []
     for name in record.members:
+        ours = inspect.getattr_static(vllm_cls, name)
+        assert ours is inspect.getattr_static(source, name)  # the injected object itself, seen by vLLM
+        assert name in vars(layer), name  # installed on atom's layer
         theirs = inspect.getattr_static(base, name, None)
         if theirs is None:
-            continue  # not on this release's base (get_kv_cache_shape from 0.29, do_kv_cache_update)
-        ours = inspect.getattr_static(cls, name)
-        assert ours is inspect.getattr_static(BASES[record.id][2], name)  # the injected object itself
-        assert name in vars(cls), name  # installed on atom's class itself
+            continue  # not on this release's base (get_kv_cache_shape from 0.29, do_kv_cache_update, MLA forward)
         if isinstance(theirs, staticmethod):
             # we inject a classmethod: vLLM calls both on the class, compare it bound (no ``cls``)
-            ours, theirs = getattr(cls, name), theirs.__func__
+            ours, theirs = getattr(vllm_cls, name), theirs.__func__
         assert _compatible(ours, theirs) == [], (name, _compatible(ours, theirs))
         checked.append(name)
     assert checked
@@ -89,28 +106,30 @@ def test_revert_restores_the_classes_and_apply_makes_them_vllm_classes(tiny_mode
     backend = attention_mha.ATOMAttentionBackend
     builder_cls = attention_mha.ATOMAttentionMetadataBuilder
     impl_cls = attention_mha.ATOMAttentionImpl
+    records = [r for r in MHA if isinstance(r, Injection)]
     # (creating a config loads vLLM's plugins, whose register_model re-applies the records)
     config = EngineArgs(model=str(tiny_model("qwen3", "float32")), max_model_len=128,
                         dtype="float32").create_engine_config()
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    for record in MHA:
+    for record in records:
         assert is_applied(record)
     assert backend.get_name() == "CUSTOM" and backend.get_builder_cls() is builder_cls
     try:
-        for record in MHA:
+        for record in records:
             assert revert(record) is True
-        # As declared: no vLLM member of atom's own, the builder and impl abstract again.
-        for record in MHA:
-            cls = BASES[record.id][0]
-            assert not set(record.members) & set(vars(cls)), record.id
+        # As declared: no vLLM member on atom's layers, the vLLM builder and impl abstract again.
+        for record in records:
+            assert not set(record.members) & set(vars(BASES[record.id][0])), record.id
         assert backend.get_name is AttentionBackend.get_name  # vLLM's abstract one
         assert "build" in builder_cls.__abstractmethods__ and "forward" in impl_cls.__abstractmethods__
         with pytest.raises(TypeError, match="abstract"):
             builder_cls(spec, ["l"], config, torch.device("cpu"))
         with pytest.raises(TypeError, match="abstract"):
             impl_cls(4, 32, 0.1, 2)
+        # atom's own layers still work on their own
+        assert mha.PagedAttentionImpl(4, 32, 0.1, 2).num_kv_heads == 2
     finally:
-        for record in MHA:
+        for record in records:
             assert apply(record, enabled=True).state is State.APPLIED
     assert not builder_cls.__abstractmethods__ and not impl_cls.__abstractmethods__
     assert backend.get_name() == "CUSTOM"
@@ -126,23 +145,24 @@ def test_disabled_decorators_keep_atoms_backend_from_vllm(monkeypatch):
     monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", raising=False)
     monkeypatch.setenv("ATOM_DISABLED_PATCHES", "vllm.attention.mha_builder")
     try:
-        choice, why = plugin_register.select_attention_backend(_selector())
+        choice, why = select(_selector())
         assert choice is None
-        assert why == "attention decorator vllm.attention.mha_builder is disabled: by ATOM_DISABLED_PATCHES"
-        assert status(patches.MHA_BUILDER).state is State.DISABLED
+        assert why == "decorator vllm.attention.mha_builder is disabled: by ATOM_DISABLED_PATCHES"
+        assert status(REGISTRY.get("vllm.attention.mha_builder")).state is State.DISABLED
     finally:
         monkeypatch.delenv("ATOM_DISABLED_PATCHES")
         for record in MHA:
             apply(record, enabled=True)
-    assert plugin_register.select_attention_backend(_selector())[0] == attention_mha.BACKEND_QUALNAME
+    assert select(_selector())[0] == attention_mha.BACKEND_QUALNAME
 
 
-def test_registered_and_listed():
-    from atom.patches import REGISTRY
+def test_registered_armed_and_listed():
+    from atom.plugin.vllm.records import arm_all
 
-    ids = {r.id for r in REGISTRY}
-    assert {r.id for r in MHA} <= ids
-    assert set(MHA) <= set(patches.VLLM_RECORDS)  # armed by register_model in every vLLM process
+    armed = arm_all()
+    assert {r.id for r in MHA + MLA} <= set(armed)  # armed by register_model in every vLLM process
+    assert {"vllm.attention.mha_backend", "vllm.attention.mha_builder", "vllm.attention.mha_impl"} == \
+        {r.id for r in MHA}
 
 
 def test_mla_revert_restores_the_classes_and_apply_makes_them_vllm_classes(tiny_model):
@@ -155,30 +175,32 @@ def test_mla_revert_restores_the_classes_and_apply_makes_them_vllm_classes(tiny_
 
     backend = attention_mla.ATOMMLABackend
     builder_cls = attention_mla.ATOMMLAMetadataBuilder
+    records = [r for r in MLA if isinstance(r, Injection)]
     config = EngineArgs(model=str(tiny_model("deepseek_v3", "float32")), max_model_len=128,
                         dtype="float32").create_engine_config()
     spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
-    for record in MLA:
+    for record in records:
         apply(record, enabled=True)
         assert is_applied(record)
     assert backend.is_mla() and backend.get_name() == "ATOM_MLA" and backend.get_builder_cls() is builder_cls
     assert backend.get_impl_cls() is attention_mla.ATOMMLAImpl
     assert backend.supported_kv_cache_layouts() is None and backend.supports_head_size(576)
     try:
-        for record in MLA:
+        for record in records:
             assert revert(record) is True
-        for record in MLA:
-            cls = BASES[record.id][0]
-            assert not set(record.members) & set(vars(cls)), record.id
+        for record in records:
+            assert not set(record.members) & set(vars(BASES[record.id][0])), record.id
         assert backend.get_name is AttentionBackend.get_name and not backend.is_mla()  # vLLM's base
         assert "build" in builder_cls.__abstractmethods__
+        assert "forward_mqa" in attention_mla.ATOMMLAImpl.__abstractmethods__
         with pytest.raises(TypeError, match="abstract"):
             builder_cls(spec, ["l"], config, torch.device("cpu"))
-        assert {"layer_reasons", "kv_cache_shape"} <= set(vars(backend))  # atom's own declarations stay
+        assert "kv_cache_shape" in vars(mla.MLABackend)  # atom's own declarations stay
     finally:
-        for record in MLA:
+        for record in records:
             assert apply(record, enabled=True).state is State.APPLIED
     assert not builder_cls.__abstractmethods__ and backend.is_mla()
+    assert not attention_mla.ATOMMLAImpl.__abstractmethods__
     builder = builder_cls(spec, ["l"], config, torch.device("cpu"))
     decode = _common_metadata("cpu")
     decode.max_query_len = 1  # a decode-only batch (what full-graph capture builds)
@@ -186,7 +208,7 @@ def test_mla_revert_restores_the_classes_and_apply_makes_them_vllm_classes(tiny_
     decode.query_start_loc, decode.query_start_loc_cpu = qsl, qsl
     decode.num_actual_tokens = decode.num_reqs
     md = builder.build_for_cudagraph_capture(decode)
-    assert isinstance(md, attention_mla.ATOMMLAMetadata)
+    assert isinstance(md, mla.MLAMetadata)
     assert md.max_seq_len == config.model_config.max_model_len and md.num_decodes == decode.num_reqs
     mixed = _common_metadata("cpu")
     with pytest.raises(ValueError, match="single-token decode"):
@@ -203,18 +225,11 @@ def test_disabled_mla_decorator_keeps_atoms_mla_backend_from_vllm(monkeypatch):
     monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", raising=False)
     monkeypatch.setenv("ATOM_DISABLED_PATCHES", "vllm.attention.mla_backend")
     try:
-        choice, why = plugin_register.select_attention_backend(mla_selector())
+        choice, why = select(mla_selector())
         assert choice is None
-        assert why == "attention decorator vllm.attention.mla_backend is disabled: by ATOM_DISABLED_PATCHES"
+        assert why == "decorator vllm.attention.mla_backend is disabled: by ATOM_DISABLED_PATCHES"
     finally:
         monkeypatch.delenv("ATOM_DISABLED_PATCHES")
         for record in MLA:
             apply(record, enabled=True)
-    assert plugin_register.select_attention_backend(mla_selector())[0] == attention_mla.BACKEND_QUALNAME
-
-
-def test_mla_registered_and_listed():
-    from atom.patches import REGISTRY
-
-    assert {r.id for r in MLA} <= {r.id for r in REGISTRY}
-    assert set(MLA) <= set(patches.VLLM_RECORDS)
+    assert select(mla_selector())[0] == attention_mla.BACKEND_QUALNAME

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from atom.plugin.attention_mha import ATOMAttentionBackend, ATOMAttentionImpl, ATOMAttentionMetadata
+from atom.models.attention.mha import PagedAttentionMetadata
+from atom.plugin.vllm.attention_mha import ATOMAttentionBackend, ATOMAttentionImpl
 from atom.plugin.vllm import compat
 
 NUM_HEADS, NUM_KV_HEADS, HEAD = 4, 2, 32
@@ -127,7 +128,7 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, k
     impl.do_kv_cache_update(layer, torch.cat([new_k, pad]), torch.cat([new_v, pad]), kv_cache, slot_mapping)
 
     q_lens = [n for _, n in shapes]
-    md = ATOMAttentionMetadata(
+    md = PagedAttentionMetadata(
         num_actual_tokens=num_tokens, num_reqs=3, max_query_len=max(q_lens),
         max_seq_len=max(c + n for c, n in shapes),
         query_start_loc=torch.tensor([0, 6, 7, 16], dtype=torch.int32),
@@ -184,7 +185,8 @@ def test_fused_qk_norm_rope_path_equals_norm_rope_then_attention(kv_dtype, tiny_
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from atom.models._layers import RMSNorm, RotaryEmbedding
-    from atom.plugin.attention_mha import ATOMAttentionMetadataBuilder, FusedQKNormRope
+    from atom.models.attention.mha import FusedQKNormRope
+    from atom.plugin.vllm.attention_mha import ATOMAttentionMetadataBuilder
 
     torch.manual_seed(0)
     q_norm, k_norm = RMSNorm(HEAD, 1e-6), RMSNorm(HEAD, 1e-6)
@@ -254,7 +256,7 @@ def test_fused_qk_norm_rope_path_equals_norm_rope_then_attention(kv_dtype, tiny_
 
 
 def test_split_kv_workspace_bound():
-    from atom.plugin.attention_mha import split_kv_workspace_bytes
+    from atom.models.attention.mha import split_kv_workspace_bytes
 
     assert split_kv_workspace_bytes(256, 32, 8, 128, torch.device("cpu")) == 0  # torch reference: none
 
@@ -265,7 +267,7 @@ def test_profiling_run_allocates_the_decode_workspace_bound():
     reach the split-KV partials' upper bound there, and a real decode must stay under it."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from atom.plugin.attention_mha import split_kv_workspace_bytes
+    from atom.models.attention.mha import split_kv_workspace_bytes
 
     dev = torch.device("cuda")
     config = VllmConfig()

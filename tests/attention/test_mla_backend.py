@@ -6,22 +6,23 @@ the backend name is registered without taking anyone's slot, and the builder tur
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from atom.plugin import register as plugin_register
-from atom.plugin.attention_mla import (
+from atom.models.attention.mla import MLAMetadata
+from atom.patches import REGISTRY
+from atom.plugin import catalog
+from atom.plugin.vllm.attention_mla import (
     BACKEND_NAME,
     BACKEND_QUALNAME,
-    MLA_IMPL_INJECTION,
     ATOMMLABackend,
     ATOMMLAImpl,
-    ATOMMLAMetadata,
     ATOMMLAMetadataBuilder,
-    _PluginModeMembers,
 )
-from tests.attention.test_backend import _compatible, _overrides
+from atom.plugin.vllm.attention import MLAImplMethods
+from tests.attention.test_backend import _compatible, _overrides, select
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -61,13 +62,15 @@ def test_overrides_match_vllm_base(cls, base):
 def test_injected_members_match_what_vllm_calls():
     # process_weights_after_loading: vLLM's impl hook (AttentionImplBase); forward: called by
     # mla_patch's forward_impl route with AttentionImpl.forward's positional layout.
-    assert _compatible(_PluginModeMembers.process_weights_after_loading,
+    assert _compatible(MLAImplMethods.process_weights_after_loading,
                        AttentionImplBase.process_weights_after_loading) == []
-    assert [p for p in inspect.signature(_PluginModeMembers.forward).parameters][:10] == [
+    assert [p for p in inspect.signature(MLAImplMethods.forward).parameters][:10] == [
         "self", "layer", "q", "kv_c_normed", "k_pe", "kv_cache", "attn_metadata", "output",
         "output_scale", "output_block_scale"]
     assert len(inspect.signature(AttentionImpl.forward).parameters) == 10
-    assert set(MLA_IMPL_INJECTION.members) == {"process_weights_after_loading", "forward"}
+    catalog.load()
+    assert set(REGISTRY.get("vllm.attention.mla_impl").members) == {
+        "process_weights_after_loading", "do_kv_cache_update", "forward_mqa", "forward_mha", "forward"}
 
 
 def test_do_kv_cache_update_and_init_match_the_layer_calls():
@@ -97,7 +100,7 @@ def attention_on(monkeypatch):
 @pytest.mark.parametrize("kw", [{}, {"dtype": torch.float32}, {"dtype": torch.float16},
                                 {"head_size": 64 + 64}, {"block_size": 64}, {"kv_cache_dtype": "bfloat16"}])
 def test_selected(attention_on, kw):
-    assert plugin_register.select_attention_backend(_selector(**kw)) == (BACKEND_QUALNAME, "atom MLA backend")
+    assert select(_selector(**kw)) == (BACKEND_QUALNAME, "atom MLA backend")
 
 
 @pytest.mark.parametrize("kw,why", [
@@ -108,41 +111,42 @@ def test_selected(attention_on, kw):
     ({"use_kv_connector": True}, "KV connector not supported"),
 ])
 def test_refused_with_reason(attention_on, kw, why):
-    choice, reason = plugin_register.select_attention_backend(_selector(**kw))
+    choice, reason = select(_selector(**kw))
     assert choice is None
     assert reason.startswith("atom's MLA backend does not support this layer: ") and why in reason
 
 
 def test_sparse_and_disabled(attention_on, monkeypatch):
-    assert plugin_register.select_attention_backend(_selector(use_sparse=True)) == (
+    assert select(_selector(use_sparse=True)) == (
         None, "sparse attention is not supported by atom")
     monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", "1")
-    assert plugin_register.select_attention_backend(_selector()) == (
+    assert select(_selector()) == (
         None, "disabled by ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1")
 
 
-def test_model_geometry_the_selector_cannot_see(vllm_config, monkeypatch):
-    from atom.plugin import attention_mla
+def test_model_geometry_the_selector_cannot_see(attention_on, monkeypatch):
+    from atom.plugin.vllm import compat
 
-    monkeypatch.setattr(attention_mla, "_model_mla_dims", lambda: (512, 32))
-    from atom.plugin.attention import unsupported_reasons
-
-    reasons = unsupported_reasons(ATOMMLABackend, _selector(head_size=544))  # what selection runs
-    assert reasons == ["qk_rope_head_dim 32 (atom's MLA needs 64)"]
+    hf = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=32)
+    monkeypatch.setattr(compat, "current_vllm_config", lambda: SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=hf)))
+    choice, reason = select(_selector(head_size=544))  # the selector carries only rank + rope
+    assert choice is None
+    assert reason == "atom's MLA backend does not support this layer: qk_rope_head_dim 32 (atom's MLA needs 64)"
 
 
 def test_registers_its_own_name_and_leaves_custom_alone(attention_on):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     custom_before = AttentionBackendEnum.CUSTOM.is_overridden() and AttentionBackendEnum.CUSTOM.get_path()
-    assert plugin_register.select_attention_backend(_selector())[0] == BACKEND_QUALNAME
+    assert select(_selector())[0] == BACKEND_QUALNAME
     member = AttentionBackendEnum[ATOMMLABackend.get_name()]
     assert member.name == BACKEND_NAME and member.get_class() is ATOMMLABackend
     assert (AttentionBackendEnum.CUSTOM.is_overridden() and AttentionBackendEnum.CUSTOM.get_path()) == custom_before
-    assert plugin_register.select_attention_backend(_selector())[0] == BACKEND_QUALNAME  # idempotent
+    assert select(_selector())[0] == BACKEND_QUALNAME  # idempotent
     try:
         register_backend(member, "other.plugin.Backend")
-        assert plugin_register.select_attention_backend(_selector()) == (
+        assert select(_selector()) == (
             None, f"AttentionBackendEnum.{BACKEND_NAME} is already registered to other.plugin.Backend")
     finally:
         register_backend(member, BACKEND_QUALNAME)
@@ -189,7 +193,7 @@ def test_build_splits_decode_extend_prefill_without_reading_device_values(vllm_c
     # reordered by vLLM: 2 decodes, an extend (3 new over 13 cached), a prefill of 5
     common = _common("meta", [1, 1, 3, 5], [9, 20, 16, 5])
     md = _builder(vllm_config).build(0, common, fast_build=True)
-    assert isinstance(md, ATOMMLAMetadata)
+    assert isinstance(md, MLAMetadata)
     assert (md.num_decodes, md.num_decode_tokens, md.num_extends, md.num_prefills, md.num_prefill_tokens) == (2, 2, 1, 1, 8)
     assert (md.num_actual_tokens, md.max_query_len, md.max_seq_len) == (10, 5, 20)
     assert md.query_start_loc is common.query_start_loc and md.block_table is common.block_table_tensor

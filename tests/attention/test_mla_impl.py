@@ -11,13 +11,10 @@ import os
 import pytest
 import torch
 
-from atom.patches import apply, revert
-from atom.plugin.attention_mla import (
-    MLA_IMPL_INJECTION,
-    ATOMMLABackend,
-    ATOMMLAImpl,
-    ATOMMLAMetadataBuilder,
-)
+from atom.ops.mla_prefill import mla_prefill_workspace_bytes
+from atom.patches import REGISTRY, apply, revert
+from atom.plugin import catalog
+from atom.plugin.vllm.attention_mla import ATOMMLABackend, ATOMMLAImpl, ATOMMLAMetadataBuilder
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 HEADS, NOPE, ROPE, VDIM = 4, 32, 64, 48
@@ -47,9 +44,11 @@ def vllm_config(tiny_model):
 
 @pytest.fixture
 def plugin_mode():
-    apply(MLA_IMPL_INJECTION, enabled=True)
+    catalog.load()
+    record = REGISTRY.get("vllm.attention.mla_impl")
+    apply(record, enabled=True)
     yield
-    revert(MLA_IMPL_INJECTION)
+    revert(record)
 
 
 def _builder(vllm_config, rank):
@@ -265,8 +264,6 @@ def test_workspace_is_bounded_by_the_chunk_not_the_context(vllm_config, plugin_m
     """With W = 64: kv_b_proj never sees more than W context rows (or the step's new tokens) at
     once, whatever the context length, and no temporary of forward_mha outgrows what W and the
     step size bound (the whole-context gather would need ``context`` rows)."""
-    from atom.plugin.attention_mla import forward_mha_workspace_bytes
-
     steps = [(context, 5), (context // 2, 3)]
     proj = _CountingKvBProj(64)
     chunk = 64
@@ -293,7 +290,7 @@ def test_workspace_is_bounded_by_the_chunk_not_the_context(vllm_config, plugin_m
     q = torch.randn(8, HEADS, NOPE + ROPE)
     out = torch.empty(8, HEADS * VDIM)
     largest = _largest_temporary(lambda: impl.forward(None, q, None, None, cache, md, out))
-    bound = forward_mha_workspace_bytes(chunk, 8, HEADS, 64, ROPE, NOPE, VDIM, torch.float32)
+    bound = mla_prefill_workspace_bytes(chunk, 8, HEADS, 64, ROPE, NOPE, VDIM, torch.float32)
     assert largest <= bound
     assert largest < context * HEADS * (NOPE + VDIM) * 4  # below one whole-context up-projection
     assert largest <= chunk * HEADS * (NOPE + ROPE + VDIM) * 4  # the chunk's key/value buffer
@@ -301,19 +298,29 @@ def test_workspace_is_bounded_by_the_chunk_not_the_context(vllm_config, plugin_m
 
 def test_context_chunk_size_from_vllm_config(vllm_config, monkeypatch):
     """W: vLLM's MLA workspace rule capped at 16k tokens, at least max_num_seqs;
-    ATOM_MLA_CONTEXT_CHUNK_TOKENS overrides it."""
-    from atom.plugin.attention_mla import MAX_CONTEXT_CHUNK_TOKENS, context_chunk_tokens
+    ATOM_MLA_CONTEXT_CHUNK_TOKENS overrides it (what vLLM's impl passes in)."""
+    from vllm.config import set_current_vllm_config
+
+    from atom.models.attention.mla import MAX_CONTEXT_CHUNK_TOKENS, context_chunk_tokens
 
     sched, model = vllm_config.scheduler_config, vllm_config.model_config
     block = vllm_config.cache_config.block_size or 16
     expected = max(min(max(8 * model.max_model_len, 4 * sched.max_num_seqs * block), MAX_CONTEXT_CHUNK_TOKENS),
                    sched.max_num_seqs)
-    assert context_chunk_tokens(vllm_config) == expected
+    assert context_chunk_tokens(model.max_model_len, sched.max_num_seqs, block) == expected
+    assert context_chunk_tokens(model.max_model_len, sched.max_num_seqs, block, 4096) == max(4096, sched.max_num_seqs)
+    assert context_chunk_tokens(model.max_model_len, 8192, block, 4096) == 8192  # never below max_num_seqs
+    assert context_chunk_tokens(None, None, 16, 4096) == 4096
+    assert context_chunk_tokens(None, None, 16) == MAX_CONTEXT_CHUNK_TOKENS
+    assert context_chunk_tokens(100_000, 1, 16) == MAX_CONTEXT_CHUNK_TOKENS  # the cap
+    # what vLLM's impl reads: the config it is built in and the variable
     monkeypatch.setenv("ATOM_MLA_CONTEXT_CHUNK_TOKENS", "4096")
-    assert context_chunk_tokens(vllm_config) == max(4096, sched.max_num_seqs)
-    assert context_chunk_tokens(None) == 4096
+    with set_current_vllm_config(vllm_config):
+        assert _impl(64, _KvBProj(64)).context_chunk_tokens == max(4096, sched.max_num_seqs)
     monkeypatch.delenv("ATOM_MLA_CONTEXT_CHUNK_TOKENS")
-    assert context_chunk_tokens(None) == MAX_CONTEXT_CHUNK_TOKENS
+    with set_current_vllm_config(vllm_config):
+        assert _impl(64, _KvBProj(64)).context_chunk_tokens == expected
+    assert _impl(64, _KvBProj(64)).context_chunk_tokens == MAX_CONTEXT_CHUNK_TOKENS  # built by hand
 
 
 def test_impl_built_in_vllms_config_sizes_its_workspace(vllm_config, plugin_mode):
@@ -322,13 +329,15 @@ def test_impl_built_in_vllms_config_sizes_its_workspace(vllm_config, plugin_mode
     bound on CUDA only and returns zeros."""
     from vllm.config import set_current_vllm_config
 
-    from atom.plugin.attention_mla import context_chunk_tokens, forward_mha_workspace_bytes
+    from atom.models.attention.mla import context_chunk_tokens
 
     with set_current_vllm_config(vllm_config):
         impl = _impl(64, _KvBProj(64))
-    assert impl.context_chunk_tokens == context_chunk_tokens(vllm_config)
+    sched = vllm_config.scheduler_config
+    assert impl.context_chunk_tokens == context_chunk_tokens(
+        vllm_config.model_config.max_model_len, sched.max_num_seqs, vllm_config.cache_config.block_size)
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
-    assert impl.workspace_bytes(torch.float32) == forward_mha_workspace_bytes(
+    assert impl.workspace_bytes(torch.float32) == mla_prefill_workspace_bytes(
         impl.context_chunk_tokens, tokens, HEADS, 64, ROPE, NOPE, VDIM, torch.float32) > 0
     assert _impl(64, _KvBProj(64)).workspace_bytes(torch.float32) == 0  # built by hand: unknown
     out = torch.full((3, HEADS * VDIM), 7.0)
@@ -562,8 +571,6 @@ def test_gpu_chunked_context_deepseek_v3_sizes_bf16(vllm_config, plugin_mode, ch
     profiling-run branch allocates that bound."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    from atom.plugin.attention_mla import forward_mha_workspace_bytes
-
     heads, rank, rope, nope, vdim, block = 128, 512, 64, 128, 128, 64
     dt = torch.bfloat16
     # no decode row: the step is all forward_mha, so its peak is what the bound covers
@@ -620,7 +627,7 @@ def test_gpu_chunked_context_deepseek_v3_sizes_bf16(vllm_config, plugin_mode, ch
     impl.forward(None, q, None, None, cache, md, out)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    bound = forward_mha_workspace_bytes(impl.context_chunk_tokens, n, heads, rank, rope, nope, vdim, dt)
+    bound = mla_prefill_workspace_bytes(impl.context_chunk_tokens, n, heads, rank, rope, nope, vdim, dt)
     whole = max(c + k for c, k in steps) * len(steps) * heads * (nope + vdim) * 2  # the old whole-context gather
     print(f"W={impl.context_chunk_tokens}: peak {peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB, "
           f"whole-context up-projection {whole / 2**20:.0f} MiB")

@@ -1,27 +1,32 @@
-"""mla_patch against the installed vLLM: each record's guard matches the method it wraps, the
-wrappers route atom's layers to atom's impl and pass every other layer straight through, and
+"""mla_patch against the installed vLLM: each record's guards match the methods it wraps and
+routes, the post-load wrapper routes atom's layers to atom's impl once per layer (an instance
+attribute: no wrapper on the per-step path) and passes every other layer straight through, and
 each record can be switched off (ATOM_DISABLED_PATCHES) and reverted -- after which atom's MLA
 backend is no longer selected (vLLM's own serves the layer).
 
 (The toolkit contract -- arm, land on import, no double wrap, identical originals on revert --
 runs for these records in tests/toolkit/test_contract.py; the routing in a real engine, with
-vLLM's loader and forward, in test_mla_e2e.py.)"""
+vLLM's loader and forward, in test_mla_e2e.py; its cost in bench/injection_overhead.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from atom.patches import State, apply, is_applied, revert, status
-from atom.patches.core import resolve
+from atom.patches import REGISTRY, Patch, State, apply, is_applied, revert, status
+from atom.patches.core import _lookup_target, resolve
 from atom.patches.signatures import shape
-from atom.plugin import register as plugin_register
-from atom.plugin.attention_mla import BACKEND_QUALNAME, MLA_IMPL_INJECTION, ATOMMLAImpl
+from atom.plugin import catalog
 from atom.plugin.vllm import mla_patch
-from atom.plugin.vllm.patches import ATTENTION_PWAL_DEFAULT
+from atom.plugin.vllm.attention_mla import BACKEND_QUALNAME, ATOMMLAImpl
+from atom.plugin.vllm.selection import attention_backend
 from vllm.model_executor.layers.attention.attention import set_default_quant_scales
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
+catalog.load()
+#: the records patching vLLM's MLAAttention (the group also holds the MLA decorators)
+PATCHES = tuple(r for r in REGISTRY.select("vllm.attention.mla") if isinstance(r, Patch))
+MLA_IMPL = REGISTRY.get("vllm.attention.mla_impl")
 ORIGINALS = {name: MLAAttention.__dict__[name] for name in
              ("forward_impl", "process_weights_after_loading", "get_kv_cache_spec")}
 
@@ -31,7 +36,7 @@ def clean(monkeypatch):
     monkeypatch.delenv("ATOM_DISABLED_PATCHES", raising=False)
     monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", raising=False)
     yield
-    for rec in mla_patch.REQUIRED:
+    for rec in PATCHES:
         apply(rec)  # leave the process as register_model would (applied)
 
 
@@ -56,57 +61,97 @@ def _atom_impl():
     return impl
 
 
-def test_records_cover_the_four_methods_of_the_issue():
-    targets = {rec.target.rpartition(":")[2] for rec in mla_patch.RECORDS}
-    assert targets == {"MLAAttention.forward_impl", "MLAAttention.process_weights_after_loading",
-                       "MLAAttention.get_kv_cache_spec", "Attention.process_weights_after_loading"}
-    assert ATTENTION_PWAL_DEFAULT in mla_patch.RECORDS  # reused, not declared twice
-    for rec in mla_patch.RECORDS:
+def test_records_cover_the_methods_routed():
+    targets = {rec.target.rpartition(":")[2] for rec in PATCHES}
+    assert targets == {"MLAAttention.process_weights_after_loading", "MLAAttention.get_kv_cache_spec"}
+    routed = {g.rpartition(":")[2] for rec in PATCHES for g, _ in rec.guards}
+    assert routed == {"MLAAttention.forward_impl"}  # routed per layer, guarded by the post-load record
+    for rec in PATCHES:
         assert rec.vllm and rec.reason and rec.upstream and rec.removal and rec.signature
+    assert "forward_impl" not in {rec.target.rpartition(".")[2] for rec in REGISTRY}  # no per-step wrapper
 
 
-@pytest.mark.parametrize("rec", mla_patch.RECORDS, ids=lambda r: r.id)
-def test_signature_guard_matches_installed_vllm(rec):
+@pytest.mark.parametrize("rec", PATCHES, ids=lambda r: r.id)
+def test_signature_guards_match_installed_vllm(rec):
     revert(rec)
     original = resolve(rec.target)
     accepted = (rec.signature,) if isinstance(rec.signature, str) else rec.signature
     assert shape(original) in accepted
+    for target, expected in rec.guards:
+        assert shape(_lookup_target(target)) in ((expected,) if isinstance(expected, str) else expected)
+    assert apply(rec).state is State.APPLIED
+
+
+def test_a_changed_routed_method_refuses_the_record(monkeypatch):
+    """The guard on forward_impl: were vLLM's forward_impl to change shape, the post-load record
+    (the route) would refuse itself and atom's MLA backend would not be selected."""
+    rec = REGISTRY.get("vllm.mla.process_weights_after_loading")
+    revert(rec)
+
+    def forward_impl(self, q, kv_cache, something_new):  # a different shape
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(MLAAttention, "forward_impl", forward_impl)
+    st = apply(rec)
+    assert st.state is State.REFUSED and "MLAAttention.forward_impl" in st.detail
+    choice, why = attention_backend(None, _selector())[:2]
+    assert choice is None and "vllm.mla.process_weights_after_loading is refused" in why
+    monkeypatch.undo()
     assert apply(rec).state is State.APPLIED
 
 
 def test_arm_all_applies_every_mla_record():
-    from atom.plugin.vllm.patches import arm_all
+    from atom.plugin.vllm.records import arm_all
 
     states = arm_all()
-    for rec in mla_patch.RECORDS:
+    for rec in PATCHES:
         assert states[rec.id].startswith("applied"), states
 
 
-def test_atom_layer_routes_to_atom_impl(monkeypatch):
+def test_atom_layer_is_routed_to_atom_impl_once_per_layer(monkeypatch):
     calls = []
-    monkeypatch.setattr(ATOMMLAImpl, "forward", lambda self, *a: calls.append(("forward", a)) or "out",
-                        raising=False)
+    def forward(self, *a, **kw):
+        calls.append(("forward", a, kw))
+        return "out"
+
+    monkeypatch.setattr(ATOMMLAImpl, "forward", forward, raising=False)
     monkeypatch.setattr(ATOMMLAImpl, "process_weights_after_loading",
                         lambda self, act_dtype: calls.append(("pwal", act_dtype)), raising=False)
-    for rec in mla_patch.REQUIRED:
+    for rec in PATCHES:
         apply(rec)
     layer = _layer(_atom_impl())
     layer.quant_config, layer.layer_name = None, "model.layers.0.self_attn.mla_attn"
     set_default_quant_scales(layer, register_buffer=True)  # as MLAAttention.__init__ does
     layer._k_scale.fill_(0.5)
-    assert layer.forward_impl("q", "c", "pe", "cache", "md", output="o") == "out"
-    assert calls[-1] == ("forward", (layer, "q", "c", "pe", "cache", "md", "o", None, None))
-    with pytest.raises(NotImplementedError, match="q_dcp_replicated"):
-        layer.forward_impl("q", "c", "pe", "cache", "md", output="o", q_dcp_replicated="x")
+    assert "forward_impl" not in vars(layer)
     layer.process_weights_after_loading(torch.float32)
     assert calls[-1] == ("pwal", torch.float32)
     assert not hasattr(layer, "W_UK_T")  # vLLM's own split did not run
     assert float(layer._k_scale) == 1.0  # vLLM's default quant scales did
+    # the route: an instance attribute, atom's forward with the layer bound; the class keeps
+    # vLLM's method
+    route = vars(layer)["forward_impl"]
+    assert route.func == layer.impl.forward and route.args == (layer,) and not route.keywords
+    assert MLAAttention.__dict__["forward_impl"] is ORIGINALS["forward_impl"]
+    assert layer.forward_impl("q", "c", "pe", "cache", "md", output="o", q_dcp_replicated=None) == "out"
+    assert calls[-1] == ("forward", (layer, "q", "c", "pe", "cache", "md"), {"output": "o", "q_dcp_replicated": None})
+
+
+def test_atom_forward_declines_what_it_does_not_implement():
+    """vLLM passes its fused-quant and DCP arguments to forward_impl; atom's forward takes them
+    as None and refuses any that is set."""
+    from atom.plugin.vllm.attention import MLAImplMethods
+
+    impl = _atom_impl()
+    with pytest.raises(NotImplementedError, match="q_dcp_replicated"):
+        MLAImplMethods.forward(impl, None, "q", "c", "pe", "cache", "md", "o", q_dcp_replicated="x")
+    with pytest.raises(NotImplementedError, match="fused output quantization"):
+        MLAImplMethods.forward(impl, None, "q", "c", "pe", "cache", "md", "o", output_scale="s")
 
 
 def test_non_atom_layer_is_passed_straight_through():
     """What the wrappers do with any other impl: call vLLM's method with the same arguments and
-    return its result unchanged."""
+    return its result unchanged; the layer is not routed."""
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
     layer = _layer(CPUMLAImpl.__new__(CPUMLAImpl))
@@ -116,10 +161,10 @@ def test_non_atom_layer_is_passed_straight_through():
         seen.append((args, kwargs))
         return "stock"
 
-    for wrapper in (mla_patch._forward_impl, mla_patch._process_weights_after_loading,
-                    mla_patch._get_kv_cache_spec):
+    for wrapper in (mla_patch.process_weights_after_loading, mla_patch.get_kv_cache_spec):
         assert wrapper(original, layer, (1, 2), {"output": 3}) == "stock"
         assert seen.pop() == ((1, 2), {"output": 3})
+    assert "forward_impl" not in vars(layer)
     assert not mla_patch.is_atom_layer(layer) and mla_patch.is_atom_layer(_layer(_atom_impl()))
 
 
@@ -127,27 +172,30 @@ def test_kv_cache_spec_is_vllms_latent_spec_checked_by_atom():
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
     impl = _atom_impl()
-    impl.kv_lora_rank, impl.qk_rope_head_dim = 512, 64
+    impl.kv_lora_rank, impl.qk_rope_head_dim, impl.head_size = 512, 64, 576
     spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    assert mla_patch._get_kv_cache_spec(lambda *a: spec, _layer(impl), (None,), {}) is spec
+    assert mla_patch.get_kv_cache_spec(lambda *a: spec, _layer(impl), (None,), {}) is spec
+    wrong = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not match the layer"):
+        mla_patch.get_kv_cache_spec(lambda *a: wrong, _layer(impl), (None,), {})
     window = SlidingWindowMLASpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
                                   sliding_window=128)
     with pytest.raises(NotImplementedError, match="SlidingWindowMLASpec"):
-        mla_patch._get_kv_cache_spec(lambda *a: window, _layer(impl), (None,), {})
+        mla_patch.get_kv_cache_spec(lambda *a: window, _layer(impl), (None,), {})
 
 
-@pytest.mark.parametrize("rec", mla_patch.REQUIRED, ids=lambda r: r.id)
+@pytest.mark.parametrize("rec", PATCHES, ids=lambda r: r.id)
 def test_off_by_env_leaves_vllm_and_keeps_vllms_backend(rec, monkeypatch):
     revert(rec)
     monkeypatch.setenv("ATOM_DISABLED_PATCHES", rec.id)
     assert apply(rec).state is State.DISABLED
     name = rec.target.rpartition(".")[2]
     assert MLAAttention.__dict__[name] is ORIGINALS[name]
-    choice, why = plugin_register.select_attention_backend(_selector())
-    assert choice is None and why == f"patch {rec.id} is not applied (disabled: by ATOM_DISABLED_PATCHES)"
+    choice, why = attention_backend(None, _selector())[:2]
+    assert choice is None and why == f"patch {rec.id} is disabled: by ATOM_DISABLED_PATCHES"
 
 
-@pytest.mark.parametrize("rec", mla_patch.REQUIRED, ids=lambda r: r.id)
+@pytest.mark.parametrize("rec", PATCHES, ids=lambda r: r.id)
 def test_reverted_restores_vllm_and_selection_reapplies(rec):
     apply(rec)
     assert is_applied(rec)
@@ -156,15 +204,20 @@ def test_reverted_restores_vllm_and_selection_reapplies(rec):
     assert MLAAttention.__dict__[name] is ORIGINALS[name]
     assert not is_applied(rec)
     # choosing atom's MLA backend applies what it needs again (environment permitting)
-    assert plugin_register.select_attention_backend(_selector()) == (BACKEND_QUALNAME, "atom MLA backend")
-    assert is_applied(rec) and is_applied(MLA_IMPL_INJECTION)
+    assert attention_backend(None, _selector())[:2] == (BACKEND_QUALNAME, "atom MLA backend")
+    assert is_applied(rec) and is_applied(MLA_IMPL)
 
 
 def test_mla_decorator_injects_and_reverts():
-    revert(MLA_IMPL_INJECTION)
-    assert "forward" not in ATOMMLAImpl.__dict__ and "process_weights_after_loading" not in ATOMMLAImpl.__dict__
-    apply(MLA_IMPL_INJECTION, enabled=True)
-    assert status(MLA_IMPL_INJECTION).state is State.APPLIED
-    assert {"forward", "process_weights_after_loading"} <= set(ATOMMLAImpl.__dict__)
-    revert(MLA_IMPL_INJECTION)
-    assert "forward" not in ATOMMLAImpl.__dict__
+    from atom.models.attention.mla import MLAttentionImpl
+
+    revert(MLA_IMPL)
+    assert not {"forward", "process_weights_after_loading"} & set(MLAttentionImpl.__dict__)
+    assert "forward_mqa" in ATOMMLAImpl.__abstractmethods__  # vLLM's class is abstract without it
+    apply(MLA_IMPL, enabled=True)
+    assert status(MLA_IMPL).state is State.APPLIED
+    assert set(MLA_IMPL.members) <= set(MLAttentionImpl.__dict__)
+    assert not ATOMMLAImpl.__abstractmethods__
+    revert(MLA_IMPL)
+    assert "forward" not in MLAttentionImpl.__dict__
+    apply(MLA_IMPL, enabled=True)

@@ -24,6 +24,8 @@ from tests.conftest import run_python
 FUSION = {"ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION": "1"}
 STOCK = {"ATOM_DISABLE_VLLM_PLUGIN": "1"}
 VLLM_ATTN = {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"}
+#: vLLM-CPU's own fp8 KV cache needs AVX-512 or AMX (its error says so); atom's runs anywhere.
+NO_CPU_FP8_CACHE = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,9 @@ def engine_run(tiny_model, tmp_path_factory):
                 """,
                 env={**runner.ENGINE_ENV, **env}, timeout=900,
             )
+            if proc.returncode and NO_CPU_FP8_CACHE in proc.stderr:
+                cache[key] = {"unavailable": NO_CPU_FP8_CACHE}
+                return cache[key]
             assert proc.returncode == 0, proc.stderr[-4000:]
             cache[key] = json.loads(out.read_text())
             cache[key]["stderr"] = proc.stderr
@@ -117,11 +122,15 @@ def test_fp8_kv_cache(engine_run):
     fp8 = {"kv_cache_dtype": "fp8"}
     ours = engine_run("qwen3", {}, fp8, vllm_qwen3=True)
     assert ours["impls"] == ["ATOMAttentionImpl"]
-    theirs = engine_run("qwen3", VLLM_ATTN, fp8, vllm_qwen3=True)
-    assert theirs["impls"] == ["CPUAttentionBackendImpl"]
     exact = engine_run("qwen3", STOCK)  # vLLM's Qwen3 and attention, fp32 cache
     ours_first, ours_agree = _fp8_error(ours, exact)
-    theirs_first, _ = _fp8_error(theirs, exact)
     assert 1e-4 < ours_first < 0.1, ours_first  # quantised (not the fp32 result), and close
-    assert ours_first <= 2 * theirs_first, (ours_first, theirs_first)
     assert ours_agree >= 0.7, ours_agree
+    theirs = engine_run("qwen3", VLLM_ATTN, fp8, vllm_qwen3=True)
+    if "unavailable" in theirs:
+        # This CPU lacks AVX-512/AMX: vLLM's own fp8 cache cannot run here, so only atom's error
+        # against the fp32 cache is checked (the bounds above, from the measurement above).
+        return
+    assert theirs["impls"] == ["CPUAttentionBackendImpl"]
+    theirs_first, _ = _fp8_error(theirs, exact)
+    assert ours_first <= 2 * theirs_first, (ours_first, theirs_first)

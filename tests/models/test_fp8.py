@@ -1,6 +1,6 @@
 """fp8 checkpoints (HF ``quant_method: fp8``, per-tensor and 128x128 block-scaled) in atom's
 Qwen3 / Qwen3-MoE, the model alone and behind a real vLLM-CPU engine, plus the FusedMoE
-plugin-mode injection (:mod:`atom.plugin.moe`) on vLLM's loader path.
+plugin-mode injection (:mod:`atom.plugin.vllm.moe`) on vLLM's loader path.
 
 The oracle. Stock vLLM-CPU 0.32 cannot serve these checkpoints on this CI machine: its CPU fp8
 linear kernels (``CPUFp8BlockScaledMMKernel``, ``CPUFp8PerTensorScaledMMLinearKernel``, both
@@ -426,7 +426,7 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8
     copy (see the module docstring for why); for the MoE kind also: vLLM's loader drove atom's
     FusedMoE post-load through the injected ``quant_method`` (calls recorded), and none of
     vLLM's MoE machinery holds atom's layers."""
-    from atom.plugin import moe as plugin_moe
+    from atom.plugin.vllm import moe as plugin_moe
     from atom.testing.tiny_models import write_dequantized
 
     if os.environ.get("ATOM_DISABLE_VLLM_PLUGIN", "0") not in ("", "0"):
@@ -436,7 +436,7 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8
     stock = _engine_process_run(write_dequantized(path, tmp_path / "deq", "bfloat16"), prompts, tmp_path)
 
     calls: list[tuple[str, str]] = []  # (layer class, the calling frames)
-    method_cls = plugin_moe.post_load_method_class()
+    method_cls = plugin_moe.AtomMoEPostLoad
     original = method_cls.process_weights_after_loading
 
     def recording(self, layer):

@@ -112,7 +112,7 @@ def test_vllm_builds_atom_gpt_oss_on_atom_attention(atom_runs, checkpoint):
     assert facts["registered"] == [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     # atom's attention backend, layer 0 sliding and layer 1 full, each with the checkpoint's sinks.
     tensors = load_file(str(checkpoint / "model.safetensors"))
-    assert [f["impl"] for f in facts["impls"]] == ["atom.plugin.attention_mha:ATOMAttentionImpl"] * NUM_LAYERS
+    assert [f["impl"] for f in facts["impls"]] == ["atom.plugin.vllm.attention_mha:ATOMAttentionImpl"] * NUM_LAYERS
     assert [f["sliding_window"] for f in facts["impls"]] == [SLIDING_WINDOW, None]
     for i, f in enumerate(facts["impls"]):
         expected = tensors[f"model.layers.{i}.self_attn.sinks"].float()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from atom.config import Config
-from atom.plugin.config import atom_config_from_vllm, plugin_config_from_vllm
+from atom.plugin.vllm.config import atom_config_from_vllm
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +49,3 @@ def test_atom_config_holds_no_vllm_objects(vllm_config):
         assert not type(value).__module__.startswith("vllm"), f.name
     for f in dataclasses.fields(cfg.compilation):
         assert not type(getattr(cfg.compilation, f.name)).__module__.startswith("vllm")
-
-
-def test_plugin_config(vllm_config, monkeypatch):
-    monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", raising=False)
-    pc = plugin_config_from_vllm(vllm_config, rank=0)
-    assert pc.is_plugin_mode and pc.is_vllm and pc.vllm_use_atom_attention
-    assert pc.model_config is vllm_config.model_config
-    assert pc.vllm_cache_config is vllm_config.cache_config
-    assert pc.vllm_scheduler_config is vllm_config.scheduler_config
-    assert pc.vllm_quant_config is vllm_config.quant_config
-    monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION", "1")
-    assert plugin_config_from_vllm(vllm_config).vllm_use_atom_attention is False

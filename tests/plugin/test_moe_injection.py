@@ -1,4 +1,4 @@
-"""The FusedMoE plugin-mode injection (atom/plugin/moe.py): what it injects stands in for vLLM's
+"""The FusedMoE plugin-mode injection (atom/plugin/vllm/moe.py): what it injects stands in for vLLM's
 ``RoutedExperts.quant_method`` with vLLM's ``QuantizeMethodBase`` signatures, vLLM's own
 post-load loop drives it, vLLM's MoE-specific checks skip it, and apply/revert restore the
 class. (The generic contract runs in tests/toolkit/test_contract.py; the call on vLLM's path in
@@ -30,10 +30,18 @@ def _fp8_layer():
     return layer
 
 
+def _record(record_id):
+    from atom.patches import REGISTRY
+    from atom.plugin import catalog
+
+    catalog.load()
+    return REGISTRY.get(record_id)
+
+
 @pytest.fixture
 def applied():
     from atom.patches import apply, revert
-    from atom.plugin.moe import FUSED_MOE_PLUGIN_MODE
+    FUSED_MOE_PLUGIN_MODE = _record("vllm.moe.atom_fused_moe_post_load")
 
     apply(FUSED_MOE_PLUGIN_MODE)
     yield FUSED_MOE_PLUGIN_MODE
@@ -42,7 +50,7 @@ def applied():
 
 def test_record_lists_exactly_the_injected_members(applied):
     from atom.models._moe import FusedMoE
-    from atom.plugin.moe import PluginModePostLoad
+    from atom.plugin.vllm.moe import PluginModePostLoad
 
     assert applied.members == ("quant_method",)
     assert applied.target == "atom.models._moe:FusedMoE"
@@ -87,7 +95,7 @@ def test_vllm_loader_post_processing_runs_atom_repack(applied):
 def test_revert_restores_the_class():
     from atom.models._moe import FusedMoE
     from atom.patches import apply, is_applied, revert
-    from atom.plugin.moe import FUSED_MOE_PLUGIN_MODE
+    FUSED_MOE_PLUGIN_MODE = _record("vllm.moe.atom_fused_moe_post_load")
 
     revert(FUSED_MOE_PLUGIN_MODE)
     before = dict(FusedMoE.__dict__)
@@ -100,14 +108,12 @@ def test_revert_restores_the_class():
 
 
 def test_register_model_arms_them(monkeypatch):
-    from atom.plugin.moe import FUSED_MOE_PLUGIN_MODE, LINEAR_PLUGIN_MODE
-    from atom.plugin.vllm import patches
+    from atom.plugin.vllm import records
 
     monkeypatch.delenv("ATOM_DISABLE_VLLM_PLUGIN", raising=False)
-    states = patches.arm_all()
-    for record in (FUSED_MOE_PLUGIN_MODE, LINEAR_PLUGIN_MODE):
-        assert record in patches.VLLM_RECORDS
-        assert states[record.id].startswith(("applied", "armed")), states
+    states = records.arm_all()
+    for record_id in ("vllm.moe.atom_fused_moe_post_load", "vllm.linear.atom_fp8_linear_post_load"):
+        assert states[record_id].startswith(("applied", "armed")), states
 
 
 def test_vllm_loader_post_processing_runs_fp8_linear_repack():
@@ -119,7 +125,7 @@ def test_vllm_loader_post_processing_runs_fp8_linear_repack():
     from atom.models._quant import Fp8Spec
     from atom.models.interfaces import ModelParallel
     from atom.patches import apply, revert
-    from atom.plugin.moe import LINEAR_PLUGIN_MODE
+    LINEAR_PLUGIN_MODE = _record("vllm.linear.atom_fp8_linear_post_load")
     from atom.testing.tiny_models import quantize_fp8
 
     apply(LINEAR_PLUGIN_MODE)

@@ -97,7 +97,7 @@ def test_attention_backend_choice_through_the_platform():
         print("CHOICE requested", current_platform.get_attn_backend_cls(E.CPU_ATTN, AttentionSelectorConfig(**base)))
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CHOICE decoder atom.plugin.attention_mha.ATOMAttentionBackend" in proc.stdout
+    assert "CHOICE decoder atom.plugin.vllm.attention_mha.ATOMAttentionBackend" in proc.stdout
     assert "CHOICE encoder vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend" in proc.stdout
     assert proc.stderr.count("atom attention backend ATOMAttentionBackend selected") == 1
     # an explicit --attention-backend wins

@@ -46,38 +46,64 @@ def test_register_model_arms_vllm_patches():
     proc = run_python("""
         from vllm.plugins import load_general_plugins
         load_general_plugins()
-        from atom.plugin.vllm.patches import VLLM_RECORDS
-        from atom.patches import status
-        import vllm.model_executor.layers.attention.attention as A
-        print("STATES", [str(status(r)) for r in VLLM_RECORDS])
-        print("WRAPPED", hasattr(A.Attention.__dict__["process_weights_after_loading"], "__wrapped__"))
-        import atom.plugin.attention_mha  # what vLLM imports by qualname once atom's backend is chosen
-        import atom.plugin.attention_mla  # (the MLA backend, for MLA layers)
+        import sys
+        from atom.patches import REGISTRY, status
+        records = REGISTRY.select("vllm")
+        print("STATES", [str(status(r)) for r in records])
+        print("MLA_MODULE", "vllm.model_executor.layers.attention.mla_attention" in sys.modules)
+        import vllm.model_executor.layers.attention.mla_attention as M  # vLLM imports it for MLA models
+        print("WRAPPED", hasattr(M.MLAAttention.__dict__["process_weights_after_loading"], "__wrapped__"))
+        import atom.models.attention.mha  # atom's layers, imported with the backend vLLM picks
         import atom.models.qwen3_moe  # what the model wrapper imports: the armed injections land
-        print("LANDED", [str(status(r)) for r in VLLM_RECORDS])
+        print("LANDED", [str(status(r)) for r in records])
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "WRAPPED True" in proc.stdout
-    # The attention patch lands at once (vLLM imported); the attention decorators wait for atom's
-    # backend module (imported only when vLLM picks it), the FusedMoE / Fp8Linear injections for
-    # atom's model modules, which only the model wrapper imports.
-    armed = "armed: waiting for import of atom.plugin.attention_mha"
-    armed_mla = "armed: waiting for import of atom.plugin.attention_mla"
-    assert (f"STATES ['applied', '{armed}', '{armed}', '{armed}', '{armed_mla}', '{armed_mla}', "
-            "'armed: waiting for import of atom.models._moe', "
-            "'armed: waiting for import of atom.models._linear']") in proc.stdout, proc.stdout
-    assert f"LANDED {['applied'] * 8}" in proc.stdout, proc.stdout
+    # Arming imports nothing: the decorators wait for atom's layers (imported only when vLLM
+    # builds an atom model or picks atom's backend), the MLA patches for vLLM's MLA module.
+    armed = "armed: waiting for import of atom.models.attention.mha"
+    armed_mla = "armed: waiting for import of atom.models.attention.mla"
+    mla_module = "vllm.model_executor.layers.attention.mla_attention"
+    states = [armed] * 3 + [armed_mla] * 3
+    if "MLA_MODULE True" in proc.stdout:  # this vLLM imports its MLA layer at start-up
+        states = [armed] * 3 + ["applied"] * 5
+    else:
+        states += [f"armed: waiting for import of {mla_module}"] * 2
+    states += ["armed: waiting for import of atom.models._moe", "armed: waiting for import of atom.models._linear"]
+    assert f"STATES {states}" in proc.stdout, proc.stdout
+    assert f"LANDED {['applied'] * 10}" in proc.stdout, proc.stdout
 
 
 def test_disabled_patch_is_not_applied():
     proc = run_python("""
         from vllm.plugins import load_general_plugins
         load_general_plugins()
-        from atom.plugin.vllm.patches import VLLM_RECORDS
-        from atom.patches import status
-        import vllm.model_executor.layers.attention.attention as A
-        print("STATES", [str(status(r)) for r in VLLM_RECORDS])
-        print("WRAPPED", hasattr(A.Attention.__dict__["process_weights_after_loading"], "__wrapped__"))
-    """, env={"ATOM_DISABLED_PATCHES": "vllm.attention.pwal_default_dtype"})
+        from atom.patches import REGISTRY, status
+        import vllm.model_executor.layers.attention.mla_attention as M
+        print("STATES", [str(status(r)) for r in REGISTRY.select("vllm")])
+        print("WRAPPED", hasattr(M.MLAAttention.__dict__["process_weights_after_loading"], "__wrapped__"))
+    """, env={"ATOM_DISABLED_PATCHES": "vllm.mla.process_weights_after_loading"})
     assert "disabled: by ATOM_DISABLED_PATCHES" in proc.stdout, proc.stderr[-3000:]
     assert "WRAPPED False" in proc.stdout
+
+
+def test_armed_decorators_land_when_vllm_imports_atoms_backend_first():
+    """What a vLLM worker does: records armed by register_model, then vLLM imports atom's backend
+    by its qualname (which imports atom's layer, landing the decorators while that module is
+    still being imported): every record of both groups applies and vLLM's classes are concrete."""
+    proc = run_python("""
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from atom.patches import REGISTRY, status
+        import vllm.model_executor.layers.attention.mla_attention  # a worker building an MLA model
+        mla = resolve_obj_by_qualname("atom.plugin.vllm.attention_mla.ATOMMLABackend")
+        mha = resolve_obj_by_qualname("atom.plugin.vllm.attention_mha.ATOMAttentionBackend")
+        print("STATES", sorted({str(status(r)) for r in REGISTRY.select("vllm.attention")}))
+        print("ABSTRACT", [sorted(c.__abstractmethods__) for c in
+                           (mla, mla.get_impl_cls(), mla.get_builder_cls(), mha, mha.get_impl_cls(),
+                            mha.get_builder_cls())])
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "STATES ['applied']" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "ABSTRACT [[], [], [], [], [], []]" in proc.stdout, proc.stdout

@@ -1,2 +1,3 @@
-"""atom's vLLM integration. Only ``atom.plugin`` knows vLLM internals; importing this package
-imports nothing of vLLM (the entry points in ``register`` import it lazily)."""
+"""atom's vLLM host: the only package that knows vLLM's classes. It binds atom's host-neutral
+layers and models to vLLM (entry points, platform, decorators and patches, model wrapper);
+importing this package imports nothing of vLLM (each module imports it where it is used)."""

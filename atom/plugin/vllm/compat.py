@@ -1,6 +1,7 @@
-"""The differences between the vLLM releases atom supports (0.26 on the GPU, 0.32/0.33 on CPU),
-in one place. Each function answers one difference; tests/plugin/test_compat.py has a test per
-difference against the installed vLLM.
+"""Every version fact about vLLM in one place: the supported range, and the differences between
+the releases atom supports (0.26 on the GPU, 0.32/0.33 on CPU). Each function answers one
+difference; tests/plugin/test_compat.py has a test per difference against the installed vLLM.
+Importing this module imports neither vLLM nor torch.
 
 Facts (``../shared/reference/vllm_interfaces.md``):
 * ``VLLM_TARGET_DEVICE=cpu`` short-circuits platform plugins from 0.33 (0.26 still asks them).
@@ -16,16 +17,28 @@ Facts (``../shared/reference/vllm_interfaces.md``):
   by 0.30.
 * vLLM's ``MLAAttention`` layer lives in ``vllm.model_executor.layers.attention`` in 0.32 and
   in ``vllm.attention.layer`` in older releases (``mla_attention_layer_module``).
+* The host copy of ``seq_lens`` in ``CommonAttentionMetadata`` is ``seq_lens_cpu`` (0.26) and
+  ``seq_lens_cpu_upper_bound`` (>= 0.29, exact for prefills) (``attention_batch``).
+* ``AttentionBackend.validate_configuration`` takes the selector fields of its release: 0.26's
+  lacks ``use_adaptive_verification``, ``use_dcp`` and ``use_rswa`` (``validate_with_base``).
+* ``split_kv_b_proj`` (the dequantising MLA weight split) exists in 0.32 but not in 0.26.
+* ``get_current_vllm_config`` asserts when no config is set (0.26+); older releases return a
+  default (``current_vllm_config``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Optional
 
 from packaging.version import Version
 
 from atom.patches.versions import installed_vllm
+
+#: The vLLM releases atom is written and tested for; ``register_platform`` stays off outside it
+#: (``ATOM_ALLOW_UNSUPPORTED_VLLM=1`` overrides) and every record is guarded by it.
+#: ``pyproject.toml``'s ``[vllm]`` extra states the same range (a test keeps them equal).
+SUPPORTED_VLLM = ">=0.26,<0.34"
 
 
 def vllm_version() -> Version:
@@ -111,3 +124,73 @@ def compilation_mode(vllm_config: Any) -> Any:
     """``compilation_config.mode`` (an IntEnum), or the older ``level``."""
     cc = vllm_config.compilation_config
     return getattr(cc, "mode", getattr(cc, "level", 0))
+
+
+def attention_batch(m: Any) -> Any:
+    """vLLM's ``CommonAttentionMetadata`` as atom's host-neutral
+    :class:`atom.models.attention.common.AttentionBatch` (the same tensors, no copies)."""
+    from atom.models.attention.common import AttentionBatch
+
+    seq_lens_cpu = getattr(m, "seq_lens_cpu_upper_bound", None)
+    if seq_lens_cpu is None:
+        seq_lens_cpu = getattr(m, "_seq_lens_cpu", None)
+    return AttentionBatch(
+        num_actual_tokens=m.num_actual_tokens, num_reqs=m.num_reqs, max_query_len=m.max_query_len,
+        max_seq_len=m.max_seq_len, query_start_loc=m.query_start_loc,
+        query_start_loc_cpu=m.query_start_loc_cpu, seq_lens=m.seq_lens, seq_lens_cpu=seq_lens_cpu,
+        block_table=m.block_table_tensor, slot_mapping=m.slot_mapping, causal=m.causal,
+    )
+
+
+#: Selector fields newer than 0.26 that atom refuses where the installed base does not check them.
+_NEWER_SELECTOR_FIELDS = {"use_adaptive_verification": "adaptive verification", "use_dcp": "DCP",
+                          "use_rswa": "R-SWA"}
+
+
+def validate_with_base(backend: type, fields: dict[str, Any]) -> list[str]:
+    """vLLM's own ``AttentionBackend.validate_configuration`` for ``backend``, given the fields
+    the installed release's base takes, plus a refusal of the newer fields it does not check."""
+    import inspect
+
+    from vllm.v1.attention.backend import AttentionBackend
+
+    base = AttentionBackend.validate_configuration.__func__
+    accepted = inspect.signature(base).parameters
+    reasons = base(backend, **{k: v for k, v in fields.items() if k in accepted and k != "cls"})
+    reasons += [f"{what} not supported" for name, what in _NEWER_SELECTOR_FIELDS.items()
+                if fields.get(name) and name not in accepted]
+    return reasons
+
+
+def split_kv_b_proj(kv_b_proj: Any, dtype: Any, rank: int, heads: int, nope: int, vdim: int) -> tuple[Any, Any]:
+    """``W_UK [rank, H, nope]``, ``W_UV [rank, H, v]`` from an MLA layer's ``kv_b_proj``,
+    dequantised: vLLM's ``split_kv_b_proj`` where the installed release has it, else the same
+    steps through ``get_and_maybe_dequant_weights``."""
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj as split
+    except ImportError:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
+
+        weight = get_and_maybe_dequant_weights(kv_b_proj).to(dtype).T
+        return weight.reshape(rank, heads, nope + vdim).split([nope, vdim], dim=-1)
+    return split(kv_b_proj, dtype, rank, heads, nope, vdim)
+
+
+def current_vllm_config() -> Any:
+    """The ``VllmConfig`` vLLM is building a model or layer under, or None outside its config
+    context (an impl built by hand, a selector asked directly)."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        config = get_current_vllm_config()
+        config.scheduler_config.max_num_seqs  # noqa: B018 (0.26+: an empty default config asserts here)
+        return config
+    except Exception:
+        return None
+
+
+def current_config_int(section: str, name: str) -> Optional[int]:
+    """``<section>.<name>`` of :func:`current_vllm_config` as an int, or None (no config, unset)."""
+    config = current_vllm_config()
+    value = None if config is None else getattr(getattr(config, section, None), name, None)
+    return None if value is None else int(value)

@@ -4,7 +4,7 @@ vLLM builds, loads and runs an atom model through these methods (vLLM 0.26 - 0.3
 
 * ``__init__(*, vllm_config, prefix)`` -- called by vLLM's model loader (``initialize_model``)
   inside its config / device / dtype contexts. Translates the config
-  (:func:`atom.plugin.config.atom_config_from_vllm`), picks the atom model class from the one
+  (:func:`atom.plugin.vllm.config.atom_config_from_vllm`), picks the atom model class from the one
   architecture table (:data:`atom.plugin.models.BY_ARCH`) and constructs it with everything it
   needs passed explicitly: atom's Config, an attention factory that builds vLLM's own
   ``Attention`` layers, and vLLM's tensor-parallel group. No process globals.
@@ -13,7 +13,7 @@ vLLM builds, loads and runs an atom model through these methods (vLLM 0.26 - 0.3
   fp8 checkpoints (vLLM's ``fp8`` quantization) load fp8 weights and scales into atom's layers.
 * ``process_weights_after_loading()`` -- vLLM's model-level post-load hook (vLLM 0.32 calls it, 0.26 does not): atom's
   fp8 layers repack (dequantise on CPU, keep fp8 for the GPU kernels). vLLM's per-layer loop has
-  already done so through the ``quant_method`` injected by ``atom.plugin.moe`` (the only
+  already done so through the ``quant_method`` injected by ``atom.plugin.vllm.moe`` (the only
   post-load call older vLLM makes); the layers' repack is idempotent.
 * ``forward(input_ids, positions, ...)`` -- called by the model runner each step, inside vLLM's
   forward context (attention metadata, KV caches).
@@ -27,10 +27,10 @@ Only this module (and the rest of ``atom.plugin``) knows vLLM; atom's models nev
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -41,11 +41,13 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 from atom import envs
 from atom._logging import get_logger, info_once
 from atom.models.interfaces import CausalLM, ModelParallel, missing_causal_lm_members
-from atom.plugin.config import atom_config_from_vllm, plugin_config_from_vllm
 from atom.plugin.models import BY_ARCH
-from atom.plugin.register import vllm_parallel_groups
 from atom.plugin.vllm import compat
 from atom.plugin.vllm.compile import compiled_model_class
+from atom.plugin.vllm.config import atom_config_from_vllm
+
+#: vLLM's MLA layer class (its module moved between releases).
+MLAAttention = importlib.import_module(compat.mla_attention_layer_module()).MLAAttention
 
 logger = get_logger("atom.plugin")
 
@@ -116,7 +118,7 @@ class VllmAttentionFactory:
         backend (CPU_MLA, FlashMLA, Triton MLA, ... or atom's through the platform) owns the
         latent cache; after loading, the layer absorbs atom's ``kv_b_proj`` weight (read through
         :class:`_VllmLinearView`) into its query/output projections."""
-        return _mla_layer_cls()(
+        return AtomMLAAttention(
             num_heads=num_heads,
             scale=scale,
             qk_nope_head_dim=qk_nope_head_dim,
@@ -144,7 +146,7 @@ class VllmAttentionFactory:
             info_once("qk-fusion-backend", f"ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION=1 ignored: attention "
                       f"impl {type(layer.impl).__name__} is not atom's", logger)
             return False
-        from atom.plugin.attention_mha import FusedQKNormRope
+        from atom.models.attention.mha import FusedQKNormRope
 
         enable(FusedQKNormRope(q_norm=q_norm, k_norm=k_norm, rotary=rotary))
         return True
@@ -173,27 +175,17 @@ class _VllmLinearView:
         return self.linear(x), None
 
 
-def _mla_layer_cls() -> type:
-    return _mla_layer_cls_in(compat.mla_attention_layer_module())
+class AtomMLAAttention(MLAAttention):
+    """vLLM's ``MLAAttention``, called with atom's MLA arguments: ``forward(q, kv_c_normed,
+    k_pe)`` derives the output shape vLLM's layer needs from ``q`` (vLLM's own models pass it).
+    A subclass, so every isinstance check of vLLM's still sees its layer; vLLM's class itself is
+    untouched."""
 
-
-@functools.cache
-def _mla_layer_cls_in(module: str) -> type:
-    """vLLM's ``MLAAttention`` (from ``module``) with ``forward(q, kv_c_normed, k_pe)`` as atom's
-    models call it: the output shape vLLM's layer needs is derived from ``q`` (vLLM's own models
-    pass it). A subclass, so every isinstance check of vLLM's still sees its layer; one class per
-    process (cached), vLLM's class itself untouched."""
-    base = importlib.import_module(module).MLAAttention
-
-    def forward(self: Any, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+    def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                 output_shape: Any = None, **kwargs: Any) -> torch.Tensor:
         if output_shape is None:
             output_shape = (q.shape[0], self.num_heads * self.v_head_dim)
-        return base.forward(self, q, kv_c_normed, k_pe, output_shape=output_shape, **kwargs)
-
-    return type("AtomMLAAttention", (base,), {
-        "forward": forward, "__module__": __name__, "__qualname__": "AtomMLAAttention",
-        "__doc__": "vLLM's MLAAttention, called with atom's MLA arguments (forward(q, kv_c_normed, k_pe))."})
+        return super().forward(q, kv_c_normed, k_pe, output_shape=output_shape, **kwargs)
 
 
 class _HeadMethod(UnquantizedEmbeddingMethod):
@@ -231,9 +223,19 @@ def resolve_model_class(qualname: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def vllm_groups() -> Any:
+    """vLLM's own process groups for this worker (never a second group): ``tp_rank``,
+    ``tp_size``, ``tp_group`` and ``ep_group`` (vLLM creates it for MoE models only)."""
+    from vllm.distributed import parallel_state as ps
+
+    tp = ps.get_tp_group()
+    ep = ps.get_ep_group() if getattr(ps, "_EP", None) is not None else None
+    return SimpleNamespace(tp_rank=tp.rank_in_group, tp_size=tp.world_size, tp_group=tp, ep_group=ep)
+
+
 def model_parallel(groups: Any) -> ModelParallel:
-    """atom's view of vLLM's groups: TP position and group, plus vLLM's EP group (a
-    ``GroupCoordinator``; vLLM creates it for MoE models only).
+    """atom's view of vLLM's groups (:func:`vllm_groups`): TP position and group, plus vLLM's
+    EP group (a ``GroupCoordinator``).
 
     When the EP group holds the same ranks as the TP group (data_parallel_size == 1, the only
     EP layout atom's models accept), the experts' all-reduce goes over the TP group, as vLLM's
@@ -280,14 +282,12 @@ class ATOMModelBase(nn.Module):
             raise NotImplementedError("atom's expert parallelism needs data_parallel_size == 1; "
                                       "set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model")
 
-        groups = vllm_parallel_groups()
+        groups = vllm_groups()
         self.atom_config = atom_config_from_vllm(vllm_config)
-        self.plugin_config = plugin_config_from_vllm(vllm_config, rank=groups.tp_rank)
         model_cls = resolve_model_class(entry.model)
         model = model_cls(
             self.atom_config,
-            make_attention=VllmAttentionFactory(self.plugin_config.vllm_cache_config,
-                                                self.plugin_config.vllm_quant_config,
+            make_attention=VllmAttentionFactory(vllm_config.cache_config, vllm_config.quant_config,
                                                 qk_norm_rope_fusion=envs.ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION),
             parallel=model_parallel(groups),
             prefix=prefix,

@@ -32,16 +32,11 @@ class ATOMPlatform:
         num_heads: Optional[int] = None,
     ) -> str:
         """atom's MLA backend when ``use_mla``, atom's MHA backend otherwise; the parent's answer
-        when ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1, when the user asked for another backend, or
-        when atom does not support the configuration (the reason is logged once)."""
-        from atom.plugin.register import select_attention_backend
+        when atom's does not serve the layer (:func:`atom.plugin.vllm.selection.
+        attention_backend` says why; logged once per reason)."""
+        from atom.plugin.vllm.selection import attention_backend
 
-        requested = getattr(selected_backend, "name", None)
-        if requested is not None and requested != "CUSTOM":
-            # The user named a backend (--attention-backend / attention_config.backend): theirs.
-            choice, why = None, f"attention backend {requested} requested"
-        else:
-            choice, why = select_attention_backend(attn_selector_config)
+        choice, why, _ = attention_backend(selected_backend, attn_selector_config)
         if choice is not None:
             info_once(f"attn:{choice}", f"atom attention backend {choice.rpartition('.')[2]} selected", logger)
             return choice
@@ -62,9 +57,9 @@ class ATOMPlatform:
         after = (sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
         if after == before or vllm_config.model_config is None or not vllm_config.model_config.use_mla:
             return
-        from atom.plugin.attention_mla import serves_model
+        from atom.plugin.vllm.selection import attention_backend_for_model
 
-        if serves_model(vllm_config) is None:
+        if attention_backend_for_model(vllm_config).value is not None:
             sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens = before
             info_once("mla-scheduling", "atom MLA backend: chunked prefill and prefix caching kept as configured", logger)
 

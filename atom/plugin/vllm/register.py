@@ -10,15 +10,14 @@ every process and ``register_model`` once per process; both are cheap and idempo
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 from atom import envs
 from atom._logging import get_logger, info_once, warn_once
+from atom.plugin import Decision
+from atom.plugin.vllm.compat import SUPPORTED_VLLM
 
 logger = get_logger("atom.plugin")
-
-#: vLLM versions atom is written and tested for (DESIGN: 0.26 on the GPU, 0.32 on CPU).
-SUPPORTED_VLLM = ">=0.26,<0.34"
 
 #: vLLM's builtin platform detector name -> atom platform class (a subclass of vLLM's platform).
 PLATFORM_CLASSES = {
@@ -26,15 +25,6 @@ PLATFORM_CLASSES = {
     "cuda": "atom.plugin.vllm.platform_cuda.ATOMCudaPlatform",
     "rocm": "atom.plugin.vllm.platform_rocm.ATOMRocmPlatform",
 }
-
-
-class Decision(NamedTuple):
-    """An answer with its reason; ``warn`` when a user should see it as a warning (an untested or
-    unsupported vLLM, no supported device) rather than as information."""
-
-    value: Any
-    reason: str
-    warn: bool = False
 
 
 def vllm_support() -> Decision:
@@ -123,7 +113,7 @@ def register_model() -> None:
 
     Overrides the architectures of atom's one table (``atom.plugin.models.MODEL_TABLE``) that
     both atom implements and this vLLM knows, with lazy ``"module:Class"`` strings, then arms the
-    records of ``atom.plugin.vllm.patches`` through the toolkit. Raises :class:`atom.envs.EnvError`
+    records of ``atom.plugin.vllm.records`` through the toolkit. Raises :class:`atom.envs.EnvError`
     for malformed ATOM_* values (vLLM does not swallow general-plugin errors).
     """
     global _models_registered
@@ -156,9 +146,9 @@ def register_model() -> None:
         overridden.append(entry.arch)
         logger.info("Register model %s to vLLM with %s", entry.arch, entry.wrapper_ref)
 
-    from atom.plugin.vllm import patches
+    from atom.plugin.vllm import records
 
-    states = patches.arm_all()
+    states = records.arm_all()
     # The banner: one line a user can grep for to see what atom did in this process.
     summary = ", ".join(f"{pid} {st.split(':')[0]}" for pid, st in states.items()) or "none"
     logger.info("atom active: %d model override(s) (%s); patches: %s", len(overridden),
