@@ -132,9 +132,11 @@ def _package_dir(dist: importlib.metadata.Distribution) -> Optional[Path]:
 
 
 def _declares_ours(package: Path) -> bool:
-    """Whether the ``atom`` package folder ``package`` is a copy of atom-vllm's (its marker)."""
+    """Whether the ``atom`` package folder ``package`` is a copy of atom-vllm's: its marker, or
+    (a copy from before the marker, e.g. an older wheel behind a checkout) atom's entry-point
+    module."""
     text = (package / "__init__.py").read_text(errors="replace")
-    return f'__distribution__ = "{DISTRIBUTION}"' in text
+    return f'__distribution__ = "{DISTRIBUTION}"' in text or (package / "plugin" / "vllm" / "register.py").is_file()
 
 
 def _owners(site: Path) -> list[str]:
