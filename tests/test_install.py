@@ -63,7 +63,8 @@ def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> dict[str, Path]:
-    """{"wheel", "sdist"}: built by ``python -m build`` from a clean copy of the tree ("source")."""
+    """{"wheel", "sdist"}: what ``python -m build`` makes of a clean copy of the tree, which is
+    "source"."""
     src = tmp_path_factory.mktemp("clean-checkout")
     listed = _ok(subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                                 cwd=REPO, capture_output=True, text=True)).stdout.split("\0")
