@@ -4,4 +4,9 @@ Importing ``atom`` imports neither vLLM nor torch; the plugin hooks live in
 ``atom.plugin.vllm.register`` and are found by vLLM through the package's entry points.
 """
 
+#: The one place the version is written: pyproject.toml reads it (``attr: atom.__version__``).
 __version__ = "0.1.0"
+
+#: The distribution that installs this package. Another project on PyPI (``atom``) installs an
+#: import package named ``atom`` too; atom._distribution tells the two apart by this name.
+__distribution__ = "atom-vllm"

@@ -1,6 +1,7 @@
 """``python -m atom doctor``: what atom would do in this environment, without starting an engine.
 
-Reports versions (vLLM, torch, triton, aiter) and whether the vLLM version is supported, the
+Reports where atom is installed from (and any other package named ``atom``, which keeps it off),
+versions (vLLM, torch, triton, aiter) and whether the vLLM version is supported, the
 platform vLLM resolves with and without atom, the device, the backend each op would use and why,
 every patch/injection with its state (it arms them and imports their vLLM modules to find out),
 and every ATOM_* variable that is set with its parsed value. Exit status 0 when atom would
@@ -23,9 +24,9 @@ def _version(dist: str) -> str | None:
 
 
 def collect() -> dict[str, Any]:
-    from atom import envs
+    from atom import _distribution, envs
 
-    report: dict[str, Any] = {"atom": _version("atom-vllm")}
+    report: dict[str, Any] = {"atom": _version("atom-vllm"), "install": _distribution.check()._asdict()}
     try:
         report["env"] = {k: v for k, v in envs.set_values().items()}
     except envs.EnvError as exc:
@@ -121,7 +122,7 @@ def _patch_states(vllm_installed: bool) -> list[dict[str, str]]:
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [f"atom {report.get('atom')}"]
+    lines = [f"atom {report.get('atom')}", f"installed: {report['install']['reason']}"]
     if "env_error" in report:
         lines.append(f"ATOM_* variables: ERROR {report['env_error']}")
         lines.append(f"atom would NOT activate: {report['reason']}")

@@ -2,14 +2,22 @@
 # Create (once per machine) the project's CPU virtual environment, install this checkout into it
 # (editable), and print the environment's path on stdout. Progress goes to stderr.
 #
-# The environment lives outside the checkout, under $ATOM_ENV_ROOT (default ~/.cache/atom-env), in
-# a folder named after a hash of requirements/cpu.txt and of this script: a fresh clone on the same
-# machine (CI's second run) reuses it; a change to the pins builds a new one.
+#   bash scripts/ensure_env.sh              the test environment: the pins + this checkout (editable)
+#   bash scripts/ensure_env.sh --vllm-only  the same pins without atom: a vLLM user's environment,
+#                                           which tests/test_install.py layers a throwaway one on
+#
+# The environments live outside the checkout, under $ATOM_ENV_ROOT (default ~/.cache/atom-env), in
+# folders named after a hash of requirements/cpu.txt and of this script: a fresh clone on the same
+# machine (CI's second run) reuses them; a change to the pins builds new ones.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 key="$(cat "$root/requirements/cpu.txt" "$root/scripts/ensure_env.sh" | sha256sum | cut -c1-16)"
 env_root="${ATOM_ENV_ROOT:-$HOME/.cache/atom-env}"
-venv="$env_root/venv-$key"
+case "${1:-}" in
+    "") venv="$env_root/venv-$key" ;;
+    --vllm-only) venv="$env_root/vllm-$key" ;;
+    *) echo "usage: $0 [--vllm-only]" >&2; exit 2 ;;
+esac
 
 quiet_pip() {
     # pip's find-links warnings about this machine's local indexes are noise; errors still show.
@@ -36,5 +44,7 @@ fi
 
 # Editable install of this checkout: seconds, and redone every time because a new clone has a
 # new path (the entry points must point at the code being tested).
-quiet_pip install -q --no-deps --no-build-isolation -e "$root" >&2
+if [ "${1:-}" != --vllm-only ]; then
+    quiet_pip install -q --no-deps --no-build-isolation -e "$root" >&2
+fi
 echo "$venv"

@@ -47,6 +47,7 @@ def _run(capsys):
 def test_active(capsys):
     code, out = _run(capsys)
     assert code == 0
+    assert out.splitlines()[1].startswith("installed: atom-vllm ")  # atom._distribution's answer
     assert "platform with atom:    atom.plugin.vllm.platform_cpu.ATOMCpuPlatform" in out
     assert "platform without atom: vllm.platforms.cpu.CpuPlatform" in out
     assert "vLLM support: yes" in out and "device: cpu" in out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from atom import envs
+from atom import _distribution, envs
 from atom._logging import get_logger, info_once, warn_once
 from atom.plugin import Decision
 from atom.plugin.vllm.compat import SUPPORTED_VLLM
@@ -74,6 +74,9 @@ def activation() -> Decision:
     and doctor."""
     if envs.ATOM_DISABLE_VLLM_PLUGIN:
         return Decision(None, "disabled by ATOM_DISABLE_VLLM_PLUGIN=1")
+    provenance = _distribution.check()  # another `atom` installed too: stay off, say what to do
+    if not provenance.ok:
+        return Decision(None, provenance.reason, warn=True)
     support = vllm_support()
     if not support.value:
         return Decision(None, support.reason, support.warn)
@@ -120,6 +123,10 @@ def register_model() -> None:
     envs.set_values()  # parse every ATOM_* variable now: a malformed one stops here, clearly
     if envs.ATOM_DISABLE_VLLM_PLUGIN:
         info_once("models-off", "atom model overrides not registered: ATOM_DISABLE_VLLM_PLUGIN=1", logger)
+        return
+    provenance = _distribution.check()  # the same check as activation(): another `atom` installed too
+    if not provenance.ok:
+        warn_once("models-off", f"atom model overrides not registered: {provenance.reason}", logger)
         return
     ok, why, warn = vllm_support()
     if not ok:
