@@ -85,3 +85,22 @@ def test_layer_calls_kv_cache_update():
     layer = importlib.import_module(compat.attention_layer_module()).Attention
     calls_it = "forward_includes_kv_cache_update" in inspect.getsource(layer.forward)
     assert calls_it == compat.layer_calls_kv_cache_update()
+
+
+def test_the_supported_range_is_stated_once():
+    """compat.SUPPORTED_VLLM is the range; pyproject's [vllm] extra states the same, and the
+    records and register_platform use compat's (no other copy in atom/)."""
+    import re
+    import tomllib
+
+    from atom.patches import REGISTRY
+    from atom.plugin import catalog
+    from tests.conftest import REPO
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    assert extra == [f"vllm{compat.SUPPORTED_VLLM}"]
+    catalog.load()
+    assert {r.vllm for r in REGISTRY.select("vllm")} == {compat.SUPPORTED_VLLM}
+    literal = re.compile(re.escape(compat.SUPPORTED_VLLM))
+    copies = [p for p in (REPO / "atom").rglob("*.py") if literal.search(p.read_text())]
+    assert copies == [REPO / "atom" / "plugin" / "vllm" / "compat.py"], copies
