@@ -140,6 +140,8 @@ def register_model() -> None:
 
     from atom.plugin.models import MODEL_TABLE
 
+    from atom.plugin.vllm import overrides
+
     known = set(ModelRegistry.get_supported_archs())
     overridden = []
     for entry in MODEL_TABLE:
@@ -149,7 +151,7 @@ def register_model() -> None:
         if not entry.implemented():
             logger.debug("atom: no atom model module for %s; not overridden", entry.arch)
             continue
-        ModelRegistry.register_model(entry.arch, entry.wrapper_ref)
+        overrides.override(ModelRegistry, entry.arch, entry.wrapper_ref)
         overridden.append(entry.arch)
         logger.info("Register model %s to vLLM with %s", entry.arch, entry.wrapper_ref)
 
