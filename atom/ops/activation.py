@@ -51,7 +51,7 @@ def _silu_triton_supports(x: torch.Tensor, *, out: Optional[torch.Tensor] = None
 
 
 def _silu_triton(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    from atom.ops import _triton_act_quant as kernels
+    from atom.ops import activation_triton as kernels
 
     shape = _check(x, out)
     x2 = _as_rows(x)

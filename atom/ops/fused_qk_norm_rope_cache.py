@@ -174,7 +174,7 @@ def _fused_triton(
     v_scale: Optional[torch.Tensor] = None,
     rotary_dim: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops import _triton_qk as kernels
+    from atom.ops import fused_qk_norm_rope_cache_triton as kernels
 
     rotary_dim, fp8 = _check(
         q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, key_cache, value_cache,

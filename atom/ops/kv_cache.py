@@ -118,7 +118,7 @@ def _cache_triton(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    from atom.ops import _triton_kv_cache as kernels
+    from atom.ops import kv_cache_triton as kernels
 
     fp8 = _check(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     kernels.reshape_and_cache_launch(

@@ -28,46 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops._common import next_pow2
 from atom.ops._dispatch import triton_interpreting
+from atom.ops.common_triton import dot_flags, exact_fp8_cast, to_fp8_e4m3
 
 FP8_MAX = 448.0
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def fp8_round_flag() -> bool:
-    """Kernels must round onto the e4m3 grid themselves before the fp8 cast.
-
-    Triton's CPU interpreter (3.9) converts fp32 -> e4m3 by truncating and loses the carry
-    into the exponent (124.1 -> 64, not 128); GPUs convert with round-to-nearest-even in one
-    instruction, so the explicit rounding is compiled in only under the interpreter.
-    """
-    return triton_interpreting()
-
-
-def dot_flags(dtype: torch.dtype) -> tuple[bool, Optional[str]]:
-    """(UPCAST, PREC): see :func:`atom.ops.attention_triton.dot_flags` (kept local so MoE does
-    not import the attention module)."""
-    upcast = triton_interpreting() and dtype == torch.bfloat16
-    if dtype != torch.float32:
-        return upcast, None
-    return upcast, ("ieee" if getattr(torch.version, "hip", None) else "tf32x3")
-
-
-@triton.jit
-def to_fp8(y, ROUND: tl.constexpr):
-    """fp32 ``y`` within +-448 -> float8e4nv, round to nearest even."""
-    if ROUND:
-        bits = y.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) - 127
-        # spacing of e4m3 values around |y|: 3 mantissa bits, subnormal below 2^-6
-        ulp = ((tl.maximum(exp - 3, -9) + 127) << 23).to(tl.float32, bitcast=True)
-        a = tl.abs(y) / ulp  # exact (power-of-two divisor), < 16
-        a = (a + 8388608.0) - 8388608.0  # fp32 add rounds to an integer, ties to even
-        y = tl.where(y < 0, -(a * ulp), a * ulp)
-    return y.to(tl.float8e4nv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,7 +239,7 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, num_rows, num_cols, stride_xt, stri
     x = tl.load(x_ptr + r64 * stride_xt + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
     q = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
-    tl.store(q_ptr + r64 * stride_qt + offs[None, :], to_fp8(q, ROUND), mask=mask)
+    tl.store(q_ptr + r64 * stride_qt + offs[None, :], to_fp8_e4m3(q, ROUND), mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * stride_st + g, s, mask=rows < num_rows)
 
 
@@ -360,7 +325,7 @@ def _moe_gemm1_kernel(
         # this tile is exactly one activation group of the second GEMM: quantise it here
         s = tl.maximum(tl.max(tl.abs(tl.where(nmask[None, :], h, 0.0)), axis=1), 1e-10) / 448.0
         q = tl.minimum(tl.maximum(h / s[:, None], -448.0), 448.0)
-        tl.store(o_ptrs, to_fp8(q, ROUND), mask=nmask[None, :])
+        tl.store(o_ptrs, to_fp8_e4m3(q, ROUND), mask=nmask[None, :])
         tl.store(out_scale_ptr + offs_m.to(tl.int64) * stride_ost + pid_n, s)
     else:
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=nmask[None, :])
@@ -537,7 +502,7 @@ def group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
         block_r = max(1, min(16, 2048 // group))  # ~2K elements per program
         _group_quant_kernel[(triton.cdiv(rows, block_r), groups)](
             x, q, s, rows, cols, x.stride(0), q.stride(0), s.stride(0),
-            GROUP=group, BLOCK_R=block_r, ROUND=fp8_round_flag(), num_warps=4)
+            GROUP=group, BLOCK_R=block_r, ROUND=exact_fp8_cast(), num_warps=4)
     return q, s
 
 
@@ -619,7 +584,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w13_bias.stride(0) if w13_bias is not None else 0,
         float(swiglu_alpha) if swigluoai else 1.0, float(swiglu_limit) if clamp else 0.0,
         TOPK=top_k, BLOCK_M=bm, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        FP8=fp8, SCALE_BN=scale_bn, QUANT_OUT=quant_in_gemm1, ROUND=fp8_round_flag(),
+        FP8=fp8, SCALE_BN=scale_bn, QUANT_OUT=quant_in_gemm1, ROUND=exact_fp8_cast(),
         UPCAST=upcast, PREC=prec, HAS_BIAS=w13_bias is not None, SWIGLUOAI=swigluoai, CLAMP=clamp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

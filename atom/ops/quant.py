@@ -90,7 +90,7 @@ def _per_token_triton_supports(
 def _per_token_triton(
     x: torch.Tensor, *, out: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops import _triton_act_quant as kernels
+    from atom.ops import quant_triton as kernels
 
     scale_shape = _check(x, 1, out, scales)
     x2 = _rows_view(x)
@@ -180,7 +180,7 @@ def _per_block_triton(
     out: Optional[torch.Tensor] = None,
     scales: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops import _triton_act_quant as kernels
+    from atom.ops import quant_triton as kernels
 
     _check_block(block)
     scale_shape = _check(x, _groups(x, block), out, scales)

@@ -141,7 +141,7 @@ def _rms_norm_triton(
     out: Optional[torch.Tensor] = None,
     residual_out: Optional[torch.Tensor] = None,
 ) -> RmsNormResult:
-    from atom.ops import _triton_rmsnorm as kernels
+    from atom.ops import rmsnorm_triton as kernels
 
     out_dtype = _check(x, weight, residual, out_dtype, scale, out, residual_out)
     n = x.shape[-1]

@@ -123,7 +123,7 @@ def _rope_triton(
     rotary_dim: int,
     is_neox: bool,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    from atom.ops import _triton_qk as kernels
+    from atom.ops import fused_qk_norm_rope_cache_triton as kernels
 
     _check(positions, query, key, cos_sin_cache, head_size, rotary_dim)
     t = positions.shape[0]

@@ -84,7 +84,8 @@ def _compile(fn, args: tuple, kwargs: dict, arch: int) -> dict:
 
 def _drive_launchers() -> list[tuple[object, tuple, dict]]:
     """Call every op's Triton implementation at Qwen3-8B-like shapes, recording the launches."""
-    from atom.ops import _triton_act_quant, _triton_kv_cache, _triton_qk, _triton_rmsnorm
+    from atom.ops import (activation_triton, fused_qk_norm_rope_cache_triton, kv_cache_triton, quant_triton,
+                          rmsnorm_triton)
     from atom.ops.activation import SILU_AND_MUL
     from atom.ops.fused_qk_norm_rope_cache import FUSED_QK_NORM_ROPE_CACHE, split_qkv
     from atom.ops.kv_cache import RESHAPE_AND_CACHE
@@ -94,9 +95,9 @@ def _drive_launchers() -> list[tuple[object, tuple, dict]]:
 
     recorders = []
     for mod, name in (
-        (_triton_rmsnorm, "_rms_norm_kernel"), (_triton_qk, "_qk_norm_rope_cache_kernel"),
-        (_triton_kv_cache, "_reshape_and_cache_kernel"), (_triton_act_quant, "_silu_and_mul_kernel"),
-        (_triton_act_quant, "_per_token_quant_kernel"), (_triton_act_quant, "_per_block_quant_kernel"),
+        (rmsnorm_triton, "_rms_norm_kernel"), (fused_qk_norm_rope_cache_triton, "_qk_norm_rope_cache_kernel"),
+        (kv_cache_triton, "_reshape_and_cache_kernel"), (activation_triton, "_silu_and_mul_kernel"),
+        (quant_triton, "_per_token_quant_kernel"), (quant_triton, "_per_block_quant_kernel"),
     ):
         rec = _Recorder(getattr(mod, name))
         setattr(mod, name, rec)
