@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from atom.ops._dispatch import Op, register
+from atom.ops._dispatch import declare
 
 __all__ = [
     "topk_softmax", "grouped_topk_sigmoid", "fused_moe", "MOE_ACTIVATIONS",
@@ -55,8 +55,9 @@ MOE_ACTIVATIONS = ("silu", "swigluoai")
 # -- routing -----------------------------------------------------------------------------------
 
 
-def topk_softmax_torch(router_logits: torch.Tensor, top_k: int,
-                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@declare("topk_softmax", doc="MoE routing: softmax over experts, top-k, optional renormalisation.")
+def topk_softmax(router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (float32), then the ``top_k`` largest; optionally renormalised to sum 1."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     w, ids = torch.topk(probs, top_k, dim=-1)
@@ -65,10 +66,14 @@ def topk_softmax_torch(router_logits: torch.Tensor, top_k: int,
     return w, ids.to(torch.int32)
 
 
-def grouped_topk_sigmoid_torch(router_logits: torch.Tensor, correction_bias: torch.Tensor,
-                               top_k: int, num_groups: int, topk_groups: int,
-                               routed_scaling_factor: float,
-                               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+topk_softmax_torch = topk_softmax.reference
+
+
+@declare("grouped_topk_sigmoid", doc="DeepSeek-V3 routing: sigmoid scores, bias-corrected group-limited top-k.")
+def grouped_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor,
+                         top_k: int, num_groups: int, topk_groups: int,
+                         routed_scaling_factor: float,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing.
 
     ``score = sigmoid(logits)``; groups are ranked by the sum of their two best ``score +
@@ -92,6 +97,9 @@ def grouped_topk_sigmoid_torch(router_logits: torch.Tensor, correction_bias: tor
     return w * routed_scaling_factor, ids.to(torch.int32)
 
 
+grouped_topk_sigmoid_torch = grouped_topk_sigmoid.reference
+
+
 def _check_groups(num_experts: int, num_groups: int, topk_groups: int, top_k: int) -> None:
     if num_experts % num_groups:
         raise ValueError(f"num_experts {num_experts} is not a multiple of num_groups {num_groups}")
@@ -103,9 +111,10 @@ def _check_groups(num_experts: int, num_groups: int, topk_groups: int, top_k: in
         raise ValueError(f"top_k {top_k} exceeds the experts of {topk_groups} groups")
 
 
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _routing_triton_supports(router_logits: torch.Tensor, *args, **kwargs) -> Optional[str]:
-    if router_logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"router_logits dtype {router_logits.dtype}"
     if router_logits.stride(-1) != 1:
         return "router_logits must have a unit-stride expert dimension"
     if router_logits.shape[-1] > 4096:
@@ -113,6 +122,7 @@ def _routing_triton_supports(router_logits: torch.Tensor, *args, **kwargs) -> Op
     return None
 
 
+@topk_softmax.triton(supports=_routing_triton_supports, dtypes=_FLOAT_DTYPES)
 def _topk_softmax_triton(router_logits: torch.Tensor, top_k: int,
                          renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from atom.ops.moe_triton import topk_softmax_fwd
@@ -121,8 +131,7 @@ def _topk_softmax_triton(router_logits: torch.Tensor, top_k: int,
 
 
 def _grouped_triton_supports(router_logits: torch.Tensor, correction_bias: torch.Tensor,
-                             top_k: int, num_groups: int, topk_groups: int,
-                             *args, **kwargs) -> Optional[str]:
+                             top_k: int, num_groups: int, *args, **kwargs) -> Optional[str]:
     why = _routing_triton_supports(router_logits)
     if why:
         return why
@@ -132,6 +141,7 @@ def _grouped_triton_supports(router_logits: torch.Tensor, correction_bias: torch
     return None
 
 
+@grouped_topk_sigmoid.triton(supports=_grouped_triton_supports, dtypes=_FLOAT_DTYPES)
 def _grouped_topk_sigmoid_triton(router_logits: torch.Tensor, correction_bias: torch.Tensor,
                                  top_k: int, num_groups: int, topk_groups: int,
                                  routed_scaling_factor: float,
@@ -143,6 +153,7 @@ def _grouped_topk_sigmoid_triton(router_logits: torch.Tensor, correction_bias: t
                                     topk_groups, routed_scaling_factor, renormalize)
 
 
+@topk_softmax.aiter
 def _topk_softmax_aiter(router_logits: torch.Tensor, top_k: int,
                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     import aiter  # noqa: deferred: ROCm only
@@ -155,6 +166,7 @@ def _topk_softmax_aiter(router_logits: torch.Tensor, top_k: int,
     return w, ids
 
 
+@grouped_topk_sigmoid.aiter
 def _grouped_topk_sigmoid_aiter(router_logits: torch.Tensor, correction_bias: torch.Tensor,
                                 top_k: int, num_groups: int, topk_groups: int,
                                 routed_scaling_factor: float,
@@ -167,25 +179,6 @@ def _grouped_topk_sigmoid_aiter(router_logits: torch.Tensor, correction_bias: to
     aiter.biased_grouped_topk(router_logits, correction_bias.to(router_logits.dtype), w, ids,
                               num_groups, topk_groups, renormalize, routed_scaling_factor)
     return w, ids
-
-
-topk_softmax = register(Op(
-    name="topk_softmax",
-    torch_impl=topk_softmax_torch,
-    triton_impl=_topk_softmax_triton,
-    aiter_impl=_topk_softmax_aiter,
-    triton_supports=_routing_triton_supports,
-    doc="MoE routing: softmax over experts, top-k, optional renormalisation.",
-))
-
-grouped_topk_sigmoid = register(Op(
-    name="grouped_topk_sigmoid",
-    torch_impl=grouped_topk_sigmoid_torch,
-    triton_impl=_grouped_topk_sigmoid_triton,
-    aiter_impl=_grouped_topk_sigmoid_aiter,
-    triton_supports=_grouped_triton_supports,
-    doc="DeepSeek-V3 routing: sigmoid scores, bias-corrected group-limited top-k.",
-))
 
 
 # -- fused MoE ---------------------------------------------------------------------------------
@@ -281,7 +274,11 @@ def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
 
 
-def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+@declare("fused_moe",
+         doc="Fused MoE expert MLP (gate/up + SiLU-and-mul or GPT-OSS's clamped SwiGLU + down, "
+             "optional expert biases, routing-weighted sum); bf16 and fp8 block-scaled weights; "
+             "expert parallelism via expert_map.")
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                     expert_map: Optional[torch.Tensor] = None,
                     w13_scale: Optional[torch.Tensor] = None,
@@ -293,7 +290,9 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     activation: str = "silu",
                     swiglu_alpha: float = 1.702,
                     swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
-    """Reference fused MoE (float32 math, one dense matmul pair per expert that has tokens).
+    """Fused MoE expert MLP of ``x [tokens, hidden]`` routed by ``topk_weights`` / ``topk_ids``
+    (see the module docstring). The reference: float32 math, one dense matmul pair per expert
+    that has tokens.
 
     Returns ``[tokens, hidden]`` in ``x``'s dtype (written into ``out`` when given).
     """
@@ -330,13 +329,13 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+fused_moe_torch = fused_moe.reference
+
+
 def _fused_moe_triton_supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                               expert_map=None, w13_scale=None, w2_scale=None,
                                block_shape=None, out=None, w13_bias=None, w2_bias=None,
-                               **activation) -> Optional[str]:
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"x dtype {x.dtype}"
+                               **kwargs) -> Optional[str]:
     for name, t in (("x", x), ("w13", w13), ("w2", w2), ("out", out), ("w13_bias", w13_bias),
                     ("w2_bias", w2_bias)):
         if t is not None and t.stride(-1) != 1:
@@ -348,6 +347,7 @@ def _fused_moe_triton_supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     return None
 
 
+@fused_moe.triton(supports=_fused_moe_triton_supports, dtypes=_FLOAT_DTYPES)
 def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       **kwargs) -> torch.Tensor:
@@ -369,11 +369,10 @@ def _fused_moe_aiter_supports(x: torch.Tensor, w13: torch.Tensor, *args, expert_
         return "expert_map (expert parallelism) is not covered by atom's aiter binding"
     if block_shape is not None:
         return "fp8 block-scaled weights are not covered by atom's aiter binding (aiter wants its own scale layout)"
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        return f"aiter fused_moe needs fp16/bf16, got {x.dtype}"
     return None
 
 
+@fused_moe.aiter(supports=_fused_moe_aiter_supports, dtypes=(torch.float16, torch.bfloat16))
 def _fused_moe_aiter(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, **kwargs) -> torch.Tensor:
     from aiter.fused_moe import fused_moe as aiter_fused_moe  # deferred: ROCm only
@@ -384,19 +383,6 @@ def _fused_moe_aiter(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return res
     out.copy_(res)
     return out
-
-
-fused_moe = register(Op(
-    name="fused_moe",
-    torch_impl=fused_moe_torch,
-    triton_impl=_fused_moe_triton,
-    aiter_impl=_fused_moe_aiter,
-    triton_supports=_fused_moe_triton_supports,
-    aiter_supports=_fused_moe_aiter_supports,
-    doc="Fused MoE expert MLP (gate/up + SiLU-and-mul or GPT-OSS's clamped SwiGLU + down, "
-        "optional expert biases, routing-weighted sum); bf16 and fp8 block-scaled weights; "
-        "expert parallelism via expert_map.",
-))
 
 
 def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, *,
