@@ -42,7 +42,8 @@ from typing import Optional
 import torch
 
 from atom.ops.activation import SILU_AND_MUL
-from atom.ops.moe import fused_moe, grouped_topk_sigmoid, topk_softmax
+from atom.ops.moe import fused_moe
+from atom.ops.moe_routing import grouped_topk_sigmoid, topk_softmax
 from atom.ops.rmsnorm import RMS_NORM
 from atom.ops.rotary import ROTARY_EMBEDDING
 

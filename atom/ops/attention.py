@@ -32,6 +32,7 @@ from typing import Optional, Union
 
 import torch
 
+from atom.ops._common import FLOAT_DTYPES
 from atom.ops._dispatch import declare
 
 __all__ = ["paged_attention", "paged_attention_torch"]
@@ -39,9 +40,6 @@ __all__ = ["paged_attention", "paged_attention_torch"]
 Scale = Union[torch.Tensor, float, None]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def _scale_of(scale: Scale) -> Union[torch.Tensor, float]:
     if scale is None:
         return 1.0
@@ -172,7 +170,7 @@ def _triton_supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return None
 
 
-@paged_attention.triton(supports=_triton_supports, dtypes=_FLOAT_DTYPES)
+@paged_attention.triton(supports=_triton_supports, dtypes=FLOAT_DTYPES)
 def _paged_attention_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,

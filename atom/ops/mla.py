@@ -23,6 +23,7 @@ from typing import Optional, Union
 
 import torch
 
+from atom.ops._common import FLOAT_DTYPES
 from atom.ops._dispatch import declare
 
 __all__ = ["mla_write_latent_cache", "mla_decode", "mla_write_latent_cache_torch",
@@ -187,7 +188,7 @@ def _decode_triton_supports(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
     return None
 
 
-@mla_decode.triton(supports=_decode_triton_supports, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+@mla_decode.triton(supports=_decode_triton_supports, dtypes=FLOAT_DTYPES)
 def _decode_triton(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
                    latent_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, scale: float, *,
