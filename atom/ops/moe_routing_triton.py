@@ -102,21 +102,24 @@ def _grouped_topk_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_token
     tl.store(ids_ptr + offs_t[:, None].to(tl.int64) * stride_it + offs_k[None, :], ids, mask=kmask)
 
 
-def _routing_block_t(num_experts: int) -> int:
-    # about 4K logits per program
-    return max(1, min(64, 4096 // next_pow2(num_experts)))
+def _routes(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int], int]:
+    """The outputs ``(weights float32 [T, k], ids int32 [T, k])`` of a routing launch, its grid
+    and its tokens per program (about 4K logits per program)."""
+    num_tokens, num_experts = router_logits.shape
+    w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    block_t = max(1, min(64, 4096 // next_pow2(num_experts)))
+    return w, ids, (triton.cdiv(num_tokens, block_t),), block_t
 
 
 def topk_softmax_fwd(router_logits: torch.Tensor, top_k: int,
                      renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`atom.ops.moe_routing.topk_softmax`."""
     num_tokens, num_experts = router_logits.shape
-    w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    w, ids, grid, block_t = _routes(router_logits, top_k)
     if num_tokens == 0:
         return w, ids
-    block_t = _routing_block_t(num_experts)
-    _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
+    _topk_softmax_kernel[grid](
         router_logits, w, ids, num_tokens, num_experts,
         router_logits.stride(0), w.stride(0), ids.stride(0),
         TOPK=top_k, BLOCK_K=next_pow2(top_k), BLOCK_T=block_t, BLOCK_E=next_pow2(num_experts),
@@ -131,12 +134,10 @@ def grouped_topk_sigmoid_fwd(router_logits: torch.Tensor, correction_bias: torch
                              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`atom.ops.moe_routing.grouped_topk_sigmoid`."""
     num_tokens, num_experts = router_logits.shape
-    w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    w, ids, grid, block_t = _routes(router_logits, top_k)
     if num_tokens == 0:
         return w, ids
-    block_t = _routing_block_t(num_experts)
-    _grouped_topk_sigmoid_kernel[(triton.cdiv(num_tokens, block_t),)](
+    _grouped_topk_sigmoid_kernel[grid](
         router_logits, correction_bias, w, ids, num_tokens, float(routed_scaling_factor),
         router_logits.stride(0), w.stride(0), ids.stride(0),
         TOPK=top_k, BLOCK_K=next_pow2(top_k), NUM_EXPERTS=num_experts, GROUPS=num_groups,
