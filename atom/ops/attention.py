@@ -1,4 +1,4 @@
-"""Paged attention over vLLM's NHD KV cache: one entry point for prefill, extend and decode.
+"""Paged attention over an NHD KV cache (the layout vLLM and SGLang hold): one entry point for prefill, extend and decode.
 
 Layout (shared with the rest of atom):
 
