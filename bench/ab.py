@@ -136,18 +136,22 @@ def main(argv: list[str]) -> int:
     logdir = Path(args.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
     procs, facts, logs = {}, {}, {}
-    for name, env in sides:  # start every side at once: their start-ups overlap
-        logs[name] = logdir / f"{name}.log"
-        procs[name] = subprocess.Popen([sys.executable, str(HERE / "ab_worker.py"), json.dumps(spec)],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                       stderr=logs[name].open("w"), env={**os.environ, **env})
     t_start = time.time()
-    for name, proc in procs.items():
+    # One side after another: vLLM sizes its KV cache from a memory profile of its own start-up,
+    # which another engine starting on the same GPU at the same time corrupts ("No available
+    # memory for the cache blocks").
+    for name, env in sides:
+        logs[name] = logdir / f"{name}.log"
+        procs[name] = proc = subprocess.Popen([sys.executable, str(HERE / "ab_worker.py"), json.dumps(spec)],
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                              stderr=logs[name].open("w"), env={**os.environ, **env})
         for line in proc.stdout:
             if line.startswith("READY "):
                 facts[name] = json.loads(line[6:])
                 break
         else:
+            for other in procs.values():  # no engine left holding the GPU
+                other.kill()
             raise SystemExit(f"side {name} died while starting: {logs[name].read_text()[-3000:]}")
     print(f"[ab] {len(sides)} sides ready after {time.time() - t_start:.0f} s: {facts}", flush=True)
     clocks = Clocks()

@@ -13,6 +13,7 @@ and the first 32 tokens of the first 8 prompts of the first batch (for agreement
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -20,6 +21,9 @@ import time
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
+    # apply_model ships a function to vLLM's engine process (its default multi-process engine):
+    # msgspec refuses that unless pickle is allowed.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=spec["model"], gpu_memory_utilization=spec["gpu_util"], max_model_len=spec["max_model_len"],

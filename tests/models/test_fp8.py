@@ -472,18 +472,34 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8
 def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(fp8_checkpoint, kind, tmp_path):
     """CUDA, real engines, the same fp8 checkpoint: atom's model (fp8 GEMMs per tensor, fp8
     fused MoE for block-scaled experts, dequantised block-scaled dense layers) vs stock vLLM's
-    own fp8 kernels, bf16 activations, greedy. Both quantise activations their own way, so the
-    bounds are fp8-sized. Measured on the H100 (vLLM 0.26), per-tensor: teacher-forced max
-    |d logprob| 0.106, mean 0.024, sampled 0.077; 33% of tokens before the first divergence (the
-    tiny random model's near-ties flip under fp8 activation rounding: the logprob bounds are the
-    check, the agreement floor only catches a broken run)."""
+    own fp8 kernels, bf16 activations, greedy; and both vs the exact-weights oracle, stock vLLM's
+    bf16 engine on the dequantised copy. Each side quantises activations its own way (atom's
+    dequantised dense layers not at all), so atom vs stock is fp8-sized, and the check that
+    tells which side is off is the oracle's: atom's distance to it may not exceed stock's by
+    more than fp8 noise. Measured on the H100 (vLLM 0.26), teacher-forced prompt mean / max
+    |d logprob| vs the oracle: per-tensor atom 0.036 / 0.148, stock 0.039 / 0.152; block dense
+    atom 0.0065 / 0.024, stock 0.058 / 0.230; block MoE atom 0.024 / 0.214, stock 0.509 / 2.96
+    (stock 0.26's Triton block-fp8 MoE is far from the exact weights at this tiny shape, so atom
+    vs stock is asserted only where stock is near the oracle). The tiny random model's near-ties
+    flip under fp8 activation rounding, so the logprob bounds are the check and the agreement
+    floor only catches a broken run."""
+    from atom.testing.tiny_models import write_dequantized
+
     path = fp8_checkpoint(kind)
     prompts = mixed_prompts()
     # DeepGEMM (stock's block-fp8 GEMM on Hopper) JIT-compiles from headers that a wheel-only
     # vLLM install may lack; its Triton/CUTLASS block-fp8 path is the same arithmetic.
     env = {"VLLM_USE_DEEP_GEMM": "0"}
+    oracle = _engine_process_run(write_dequantized(path, tmp_path / "deq", "bfloat16"), prompts,
+                                 tmp_path / "oracle", env_extra=env)
     stock = _engine_process_run(path, prompts, tmp_path / "stock", env_extra=env)
     ours = _engine_process_run(path, prompts, tmp_path / "atom", atom=True, env_extra=env)
-    stats = greedy_run_stats(ours, stock)
-    print(f"fp8 engine {kind}: atom vs stock {stats}")
-    assert_close_greedy_run(ours, stock, 0.3, prompt_atol=0.3, prompt_mean_atol=0.05, min_agreeing=0.2)
+    vs_stock, atom_err, stock_err = (greedy_run_stats(ours, stock), greedy_run_stats(ours, oracle),
+                                     greedy_run_stats(stock, oracle))
+    print(f"fp8 engine {kind}: atom vs stock {vs_stock}; vs the dequantised oracle: atom {atom_err}, "
+          f"stock {stock_err}")
+    assert atom_err["prompt_mean"] <= 1.5 * stock_err["prompt_mean"] + 0.01, (atom_err, stock_err)
+    assert atom_err["prompt_max"] <= 1.5 * stock_err["prompt_max"] + 0.05, (atom_err, stock_err)
+    assert_close_greedy_run(ours, oracle, 0.3, prompt_atol=0.3, prompt_mean_atol=0.05, min_agreeing=0.2)
+    if stock_err["prompt_mean"] <= 0.1:  # atom vs stock means something only where stock is right
+        assert_close_greedy_run(ours, stock, 0.3, prompt_atol=0.3, prompt_mean_atol=0.08, min_agreeing=0.2)
