@@ -284,8 +284,11 @@ class MLAImplMethods:
         slot_mapping: torch.Tensor,
         kv_cache_dtype: str,
         k_scale: torch.Tensor,
+        skip_scale: bool = False,
     ) -> None:
-        """Write ``[kv_c_normed | k_pe]`` (``k_pe`` rotated by vLLM's layer) into the latent cache."""
+        """Write ``[kv_c_normed | k_pe]`` (``k_pe`` rotated by vLLM's layer) into the latent cache.
+        ``skip_scale`` (vLLM 0.33's layer passes it: an fp8 cache whose ``k_scale`` is 1.0) never
+        applies: atom's latent cache is not fp8 (``MLABackend.supported_kv_cache_dtypes``)."""
         self.write_latent(kv_c_normed, k_pe, kv_cache, slot_mapping)
 
     def forward_mqa(

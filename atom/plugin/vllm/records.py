@@ -103,10 +103,13 @@ register(Injection(
     id="vllm.attention.mla_impl", group="vllm.attention.mla", target=f"{_MLA}:MLAttentionImpl",
     members=("process_weights_after_loading", "do_kv_cache_update", "forward_mqa", "forward_mha", "forward"),
     source="atom.plugin.vllm.attention:MLAImplMethods", base=f"{_BACKEND_BASE}:MLAAttentionImpl",
-    # the same shapes in 0.26 and 0.32 (forward is atom's own: called by mla_patch's route)
+    # the same shapes in 0.26, 0.32 and 0.33 (forward is atom's own: called by mla_patch's route),
+    # but for do_kv_cache_update: 0.33 adds skip_scale, which its MLAAttention passes positionally
     signatures=(
         ("process_weights_after_loading", "(self, act_dtype)"),
-        ("do_kv_cache_update", "(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)"),
+        ("do_kv_cache_update", ("(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)",
+                                "(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, "
+                                "skip_scale=...)")),
         ("forward_mqa", "(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)"),
         ("forward_mha", "(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output, "
                         "output_scale=...)"),
