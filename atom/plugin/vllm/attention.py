@@ -362,10 +362,14 @@ def claim_backend_name(name: str, qualname: str) -> Optional[str]:
     up by ``get_name()``. ``CUSTOM`` is vLLM's slot for out-of-tree backends (atom's MHA); any
     other name becomes a new member (atom's MLA: ``ATOM_MLA``, a slot no other plugin could
     own). Never taken from another owner: the reason when the name belongs to someone else or
-    this vLLM cannot add names."""
+    this vLLM cannot add names. Where vLLM adds no names at all (0.26,
+    ``compat.backend_names_extensible``) a new name is left unclaimed: the platform hands vLLM
+    the qualname, and 0.26's MLA layer never looks its backend up by name."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     member = AttentionBackendEnum.__members__.get(name)
+    if member is None and not compat.backend_names_extensible():
+        return None
     taken = member is not None and (name != "CUSTOM" or member.is_overridden())
     if taken:
         current = member.get_path()

