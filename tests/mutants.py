@@ -123,6 +123,20 @@ MUTANTS = (
     Mutant("step-aside-runner", "atom/plugin/vllm/overrides.py",
            "    if runner != \"generate\":", "    if runner == \"never\":",
            ("tests/plugin/test_runners.py",)),
+    # the supported vLLM range: what a version counts as, the upper edge, a release's accepted shape
+    Mutant("version-prerelease-as-is", "atom/patches/versions.py",
+           "return dist, Version(Version(raw).base_version)", "return dist, Version(raw)",
+           ("tests/toolkit/test_versions.py",)),
+    Mutant("version-upper-edge-inclusive", "atom/patches/versions.py",
+           "return found[1] in SpecifierSet(spec), text", "return found[1] in SpecifierSet(spec.replace(\"<\", \"<=\")), text",
+           ("tests/toolkit/test_versions.py",)),
+    Mutant("mla-impl-0.33-shape-dropped", "atom/plugin/vllm/records.py",
+           "                                \"skip_scale=...)\")),", "                                )),",
+           ("tests/vllm_range/test_records.py::test_contract[0.33-vllm.attention.mla_impl]",)),
+    Mutant("mla-prefill-stand-in-off", "atom/plugin/vllm/mla_patch.py",
+           "    if compat.platform_selects_mla_prefill() or current_platform.get_device_capability() is not None:",
+           "    if True:",
+           ("tests/vllm_range/test_lowest_engines.py::test_mla_deepseek_v3_through_atom_same_tokens_as_stock",)),
 )
 
 

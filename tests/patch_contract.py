@@ -3,7 +3,7 @@
     python -m tests.patch_contract RECORD_ID
 
 Order: revert of a never-imported target is a no-op -> apply arms without importing ->
-apply-then-import lands the patch -> apply twice changes nothing (no double wrap) -> revert
+apply-then-import lands the patch (and an injection's ``base`` resolves) -> apply twice changes nothing (no double wrap) -> revert
 restores the identical original objects (effect gone) -> revert twice is a no-op ->
 import-then-apply lands at once -> apply-revert-apply -> final revert restores identity.
 
@@ -65,6 +65,11 @@ def run_contract(record_id: str) -> None:
     assert is_applied(record), status(record)
     patched = _snapshot(record)
     assert patched, "no binding site found"
+    # an injection's host side: the vLLM class whose members it stands in for exists here
+    if getattr(record, "base", ""):
+        from atom.patches.core import resolve
+
+        assert isinstance(resolve(record.base), type), f"{record.base} is not a class"
 
     # apply twice: the same installed objects, never a wrapper around our own wrapper.
     apply(record)

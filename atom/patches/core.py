@@ -32,7 +32,7 @@ import wrapt
 from atom import envs
 from atom._logging import get_logger, info_once, warn_once
 from atom.patches.records import Injection, Patch, PatchError, Record, Ref, split_target
-from atom.patches.signatures import shape
+from atom.patches.signatures import accepted, shape
 from atom.patches.versions import vllm_version_in
 
 logger = get_logger("atom.patches")
@@ -241,9 +241,8 @@ def _install_patch(entry: _Entry, module: Any, path: str) -> None:
     checks += tuple((target, _lookup_target(target), expected) for target, expected in rec.guards)
     for target, obj, expected in checks:
         actual = shape(obj)
-        accepted = (expected,) if isinstance(expected, str) else tuple(expected)
-        if actual not in accepted:
-            _refuse(entry, f"signature of {target} is {actual}, expected {' or '.join(accepted)}")
+        if actual not in accepted(expected):
+            _refuse(entry, f"signature of {target} is {actual}, expected {' or '.join(accepted(expected))}")
             return
     if rec.wrapper is not None:
         installed: Any = wrapt.FunctionWrapper(current, resolve(rec.wrapper))
@@ -312,9 +311,9 @@ def _install_injection(entry: _Entry, cls: type) -> None:
         base = resolve(rec.base) if rec.base else cls
         for member, expected in rec.signatures:
             actual = shape(_lookup(base, member))
-            if actual != expected:
+            if actual not in accepted(expected):
                 where = rec.base or rec.target
-                _refuse(entry, f"signature of {where}.{member} is {actual}, expected {expected}")
+                _refuse(entry, f"signature of {where}.{member} is {actual}, expected {' or '.join(accepted(expected))}")
                 return
     sites = []
     for member, value in values.items():

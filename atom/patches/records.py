@@ -100,13 +100,14 @@ class Injection(_Common):
     Members are installed as plain class attributes (the very function/descriptor objects from
     ``source.__dict__``), so an injected per-token method costs exactly what a native one does.
     ``base`` names the vLLM class whose same-named members they stand in for; ``signatures`` gives
-    the expected shape of those base members (``{member: "(self, ...)"}``), checked before applying.
+    the expected shape of those base members (``((member, "(self, ...)"), ...)``, or a tuple of
+    shapes where supported vLLM releases differ), checked before applying.
     """
 
     members: tuple[str, ...] = ()
     source: Ref | None = None
     base: str = ""
-    signatures: tuple[tuple[str, str], ...] = field(default=())
+    signatures: tuple[tuple[str, str | tuple[str, ...]], ...] = field(default=())
 
     def __post_init__(self) -> None:
         super().__post_init__()

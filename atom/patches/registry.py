@@ -11,6 +11,7 @@ from typing import Iterator
 
 from atom.patches.core import status
 from atom.patches.records import Injection, Patch, Record
+from atom.patches.signatures import accepted
 
 __all__ = ["Registry", "REGISTRY", "register", "listing"]
 
@@ -86,18 +87,16 @@ def listing(registry: Registry = REGISTRY) -> list[dict[str, str]]:
             row["how"] = "wrap" if rec.wrapper is not None else "replace"
             row["with"] = _callable_name(rec.wrapper or rec.replacement)
             row["members"] = rec.target.rpartition(".")[2] if "." in rec.target.partition(":")[2] else rec.target.partition(":")[2]
-            sig = rec.signature or ""
-            row["signature"] = sig if isinstance(sig, str) else " or ".join(sig)
+            row["signature"] = " or ".join(accepted(rec.signature)) if rec.signature else ""
             for target, expected in rec.guards:
-                shapes = expected if isinstance(expected, str) else " or ".join(expected)
-                row["signature"] += f"; {target.partition(':')[2]}{shapes}"
+                row["signature"] += f"; {target.partition(':')[2]}{' or '.join(accepted(expected))}"
             row["aliases"] = ", ".join(rec.aliases)
         else:
             assert isinstance(rec, Injection)
             row["how"] = "inject"
             row["with"] = _callable_name(rec.source)
             row["members"] = ", ".join(rec.members)
-            row["signature"] = "; ".join(f"{m}{s}" for m, s in rec.signatures)
+            row["signature"] = "; ".join(f"{m}{' or '.join(accepted(s))}" for m, s in rec.signatures)
             row["aliases"] = ""
         rows.append(row)
     return rows

@@ -20,6 +20,12 @@ def unwrap_descriptor(obj: Any) -> Any:
     return obj
 
 
+def accepted(expected: "str | tuple[str, ...]") -> tuple[str, ...]:
+    """The shapes a record accepts: one string, or a tuple of them (one per vLLM release whose
+    shape differs)."""
+    return (expected,) if isinstance(expected, str) else tuple(expected)
+
+
 def shape(obj: Callable[..., Any]) -> str:
     fn = unwrap_descriptor(obj)
     sig = inspect.signature(fn, follow_wrapped=True)

@@ -13,7 +13,7 @@ import torch
 
 from atom.models.attention import mha, mla
 from atom.patches import REGISTRY, Injection, State, apply, is_applied, revert, status
-from atom.patches.signatures import shape, unwrap_descriptor
+from atom.patches.signatures import accepted, shape, unwrap_descriptor
 from atom.plugin import catalog
 from atom.plugin.vllm import attention, attention_mha, attention_mla
 from atom.plugin.vllm.selection import attention_backend
@@ -89,7 +89,7 @@ def test_every_injected_member_fits_the_vllm_base(record):
         checked.append(name)
     assert checked
     for member, expected in record.signatures:  # the guards describe the installed vLLM
-        assert shape(inspect.getattr_static(base, member)) == expected
+        assert shape(inspect.getattr_static(base, member)) in accepted(expected)
 
 
 def test_do_kv_cache_update_fits_the_layer_call():

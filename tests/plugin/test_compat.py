@@ -85,6 +85,36 @@ def test_layer_calls_kv_cache_update():
     assert calls_it == compat.layer_calls_kv_cache_update()
 
 
+def test_platform_selects_mla_prefill_matches_vllm_source():
+    """0.32+: vLLM's MLA prefill selector asks the platform; 0.26: device capability alone."""
+    import inspect
+
+    from vllm.v1.attention.backends.mla.prefill import selector
+
+    asks = "current_platform.get_mla_prefill_backend_cls(" in inspect.getsource(selector)
+    assert asks == compat.platform_selects_mla_prefill()
+
+
+def test_mla_layer_builds_its_prefill_backend_through_the_patched_name():
+    """MLAAttention.__init__ calls the ``get_mla_prefill_backend`` of its own module (the name
+    the ``vllm.mla.prefill_backend`` record wraps), on every supported release."""
+    import inspect
+
+    module = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
+    assert "get_mla_prefill_backend(" in inspect.getsource(module.MLAAttention.__init__)
+    assert callable(vars(module)["get_mla_prefill_backend"])
+
+
+def test_backend_names_extensible_matches_vllm():
+    """0.32+: ``register_backend("NEW", path)`` adds an enum member; 0.26: members only."""
+    import inspect
+
+    from vllm.v1.attention.backends import registry
+
+    takes_strings = "isinstance(backend, str)" in inspect.getsource(registry.register_backend)
+    assert takes_strings == compat.backend_names_extensible()
+
+
 def test_the_supported_range_is_stated_once():
     """compat.SUPPORTED_VLLM is the range; pyproject's [vllm] extra states the same, and the
     records and register_platform use compat's (no other copy in atom/)."""

@@ -149,6 +149,25 @@ def test_signature_guard_refuses_one_and_the_rest_continue(fresh):
         apply(bad, enabled=True)  # explicitly requested: raises
 
 
+def test_injection_guard_accepts_each_listed_shape(fresh):
+    """An injection's guard may list one shape per host release; any listed shape applies, any
+    other refuses (naming every accepted shape)."""
+    from dataclasses import replace
+
+    _, _, backend = fresh
+    base = rec("fixture.backend_methods")
+    real = "(self, common_prefix_len, common_attn_metadata, fast_build=...)"
+    older = "(self, common_prefix_len, common_attn_metadata)"
+    for shapes in ((older, real), (real, older)):
+        inj = replace(base, id="fixture.two_shapes", signatures=(("build", shapes),))
+        assert apply(inj).state is State.APPLIED
+        revert(inj)
+    inj = replace(base, id="fixture.two_shapes", signatures=(("build", (older, "(self)")),))
+    st = apply(inj)
+    assert st.state is State.REFUSED and f"expected {older} or (self)" in st.detail
+    assert "build" not in backend.AtomBackend.__dict__
+
+
 def test_version_guard(fresh):
     old = Patch(id="fixture.old_vllm", target=f"{T}.funcs:greet", wrapper=cat.exclaim, vllm="<0.1")
     st = apply(old)

