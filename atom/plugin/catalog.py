@@ -1,6 +1,6 @@
 """Where atom's patch/injection records are declared: importing these modules registers them.
 
-Declaring a record imports nothing of vLLM, so loading the catalog is cheap and safe anywhere
+Declaring a record imports nothing of vLLM or SGLang, so loading the catalog is cheap and safe anywhere
 (``python -m atom patches``, docs generation, the contract tests).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 #: Modules that declare records at import (each must import neither vLLM nor torch).
-CATALOG_MODULES = ("atom.plugin.vllm.records",)
+CATALOG_MODULES = ("atom.plugin.vllm.records", "atom.plugin.sglang.records")
 
 
 def load(include_test_fixtures: bool = False) -> None:
