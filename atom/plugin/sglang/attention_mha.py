@@ -30,23 +30,6 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 logger = get_logger("atom.plugin")
 
 
-def _group_blocked() -> str | None:
-    """Apply the records of ``sglang.attention.mha`` (idempotent, environment permitting); why
-    one is not in effect, or None."""
-    import importlib
-
-    from atom.patches import REGISTRY, State, apply
-    from atom.plugin import catalog
-
-    catalog.load()
-    for record in REGISTRY.select("sglang.attention.mha"):
-        importlib.import_module(record.module)
-        st = apply(record)
-        if st.state is not State.APPLIED:
-            return f"decorator {record.id} is {st}"
-    return None
-
-
 def attention_backend() -> Decision:
     """Decision(True or False, reason): does atom's backend serve ``--attention-backend atom``
     in this environment (switches and records)? Shared by :func:`create_backend`, the model
@@ -55,7 +38,9 @@ def attention_backend() -> Decision:
         return Decision(False, "disabled by ATOM_DISABLE_SGLANG_PLUGIN=1")
     if envs.ATOM_DISABLE_SGLANG_PLUGIN_ATTENTION:
         return Decision(False, "disabled by ATOM_DISABLE_SGLANG_PLUGIN_ATTENTION=1")
-    blocked = _group_blocked()
+    from atom.plugin import catalog
+
+    blocked = catalog.group_blocked("sglang.attention.mha")
     if blocked is not None:
         return Decision(False, blocked)
     return Decision(True, "atom MHA backend")
