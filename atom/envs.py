@@ -190,7 +190,8 @@ VARIABLES: dict[str, EnvVar] = {
             "ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION", "bool", "0",
             "Fuse QK-RMSNorm + RoPE + KV-cache write (+ fp8 quantisation) into one kernel in "
             "atom's attention impl, for atom's Qwen3 / Qwen3-MoE models on atom's MHA backend "
-            "(no effect with vLLM's attention backend or vLLM's own model classes).",
+            "(vLLM's platform choice, or SGLang's `--attention-backend atom`); no effect with the "
+            "host's own attention backends or model classes.",
             _parse_bool, _BOOL,
         ),
         EnvVar(

@@ -31,7 +31,9 @@ run_pytest() {  # venv, pytest arguments...
 
 if [ "${1:-}" = --sglang ]; then
     shift
-    [ "$#" -eq 0 ] && set -- "${SGLANG_TESTS[@]}"
+    paths=0
+    for arg in "$@"; do case "$arg" in -*) ;; *) paths=1 ;; esac; done
+    [ "$paths" -eq 0 ] && set -- "${SGLANG_TESTS[@]}" "$@"
     status=0
     venv="$(bash "$root/scripts/ensure_env.sh" --sglang)"
     export "${SGLANG_ENV[@]}"

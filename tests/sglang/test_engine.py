@@ -4,10 +4,11 @@ identical on tiny Qwen3, Qwen3-MoE and Llama checkpoints, in batches of differen
 (two longer than a 16-token page), decodes that cross pages and an extend over a radix-cached
 prefix (tests/sglang/_engine_runner.py has the prompts).
 
-The three-way Llama uses plain RoPE: on atom's tiny Llama with llama3 RoPE scaling (original
-context 64) stock SGLang 0.5.17's own Llama departs from HF transformers (first at the 8th token
-generated for the 5-token prompt) while atom's matches HF; that checkpoint (``llama3``) runs on
-atom's backend only and is held to HF."""
+The three-way Llama has no MLP biases: stock SGLang 0.5.17's own Llama has none (its LlamaMLP is
+built with ``bias=False`` and its loader skips the checkpoint's ``mlp.*.bias`` tensors as "extra
+bias"), so on atom's tiny Llama (``mlp_bias=True``) stock SGLang departs from HF transformers
+while atom's Llama matches HF; that checkpoint (``llama_mlp_bias``) runs on atom's backend only
+and is held to HF."""
 
 from __future__ import annotations
 
@@ -23,25 +24,31 @@ KINDS = ("qwen3", "qwen3_moe", "llama")
 FUSED_KINDS = ("qwen3", "qwen3_moe")  # the models with QK-norm
 
 
-def _plain_rope(src, dst):
-    """A copy of a checkpoint with its RoPE scaling removed (same weights)."""
+def _without_mlp_bias(src, dst):
+    """A copy of a Llama checkpoint without MLP biases (the other weights the same)."""
     if not dst.exists():
+        from safetensors.torch import load_file, save_file
+
         shutil.copytree(src, dst)
+        for path in dst.glob("*.safetensors"):
+            tensors = load_file(path)
+            save_file({k: v for k, v in tensors.items() if not (".mlp." in k and k.endswith(".bias"))}, path,
+                      metadata={"format": "pt"})
         config = json.loads((dst / "config.json").read_text())
-        config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_parameters"]["rope_theta"]}
+        config["mlp_bias"] = False
         (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
 
 @pytest.fixture(scope="module")
-def llama3(tiny_model):
+def llama_mlp_bias(tiny_model):
     return tiny_model("llama", "float32")
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model, llama3):
+def models(tiny_model, llama_mlp_bias):
     out = {kind: tiny_model(kind, "float32") for kind in KINDS if kind != "llama"}
-    out["llama"] = _plain_rope(llama3, llama3.parent / "llama-plain-rope-float32")
+    out["llama"] = _without_mlp_bias(llama_mlp_bias, llama_mlp_bias.parent / "llama-no-mlp-bias-float32")
     return out
 
 
@@ -57,11 +64,11 @@ def stock(models):
 
 
 @pytest.fixture(scope="module")
-def atom_backend(models, llama3):
-    """atom's models on atom's ``atom`` attention backend (`--attention-backend atom`), the
-    llama3-scaled Llama included."""
-    results, log = run_engines("atom", [*models.values(), llama3])
-    return _by_kind(dict(models, llama3=llama3), results), log
+def atom_backend(models, llama_mlp_bias):
+    """atom's models on atom's ``atom`` attention backend (`--attention-backend atom`), the Llama
+    with MLP biases included."""
+    results, log = run_engines("atom", [*models.values(), llama_mlp_bias])
+    return _by_kind(dict(models, llama_mlp_bias=llama_mlp_bias), results), log
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +88,13 @@ def fused(models):
 
 
 @pytest.fixture(scope="module")
-def hf(models, llama3):
+def hf(models, llama_mlp_bias):
     """HF transformers' greedy tokens for every prompt, one prompt at a time (fp32)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = {}
-    for kind, path in dict(models, llama3=llama3).items():
+    for kind, path in dict(models, llama_mlp_bias=llama_mlp_bias).items():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         rows = []
         for prompts in (PROMPTS, FOLLOW_UP):
@@ -115,8 +122,8 @@ def test_atom_backend_matches_stock_and_hf(kind, atom_backend, stock, hf):
     assert atom_backend[0][kind] == hf[kind]
 
 
-def test_atom_llama3_rope_scaling_matches_hf(atom_backend, hf):
-    assert atom_backend[0]["llama3"] == hf["llama3"]
+def test_atom_llama_with_mlp_bias_matches_hf(atom_backend, hf):
+    assert atom_backend[0]["llama_mlp_bias"] == hf["llama_mlp_bias"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

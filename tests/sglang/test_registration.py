@@ -96,3 +96,20 @@ def test_decorator_refused_on_a_changed_base(member, monkeypatch):
     assert decision.value is False and "sglang.attention.mha_backend is refused" in decision.reason
     monkeypatch.undo()
     revert(record)
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_doctor_reports_sglang(off):
+    env = sglang_env(**({"ATOM_DISABLE_SGLANG_PLUGIN": "1"} if off else {}))
+    proc = subprocess.run([sys.executable, "-m", "atom", "doctor"], cwd="/", env=env, capture_output=True,
+                          text=True, timeout=300)
+    version = importlib.metadata.version("sglang")
+    if off:
+        assert proc.returncode == 1, proc.stdout[-2000:]
+        assert f"SGLang: {version}; atom stays off (disabled by ATOM_DISABLE_SGLANG_PLUGIN=1)" in proc.stdout
+    else:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"SGLang: {version}; atom activates" in proc.stdout
+        assert "models: Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM" in proc.stdout
+        assert "attention: atom (atom MHA backend; with --attention-backend atom)" in proc.stdout
+        assert "sglang.attention.mha_backend: applied" in proc.stdout
