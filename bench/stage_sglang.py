@@ -193,7 +193,7 @@ def plan(root: Path) -> str:
         cmd = (f"mkdir -p /tmp/sglang-parts && cp .stage/{p.name} .stage/{PREFIX}.SHA256SUMS /tmp/sglang-parts/")
         if i == len(parts) - 1:
             cmd += " && bash bench/gpu_run.sh sglang"
-        lines.append(f"call {i + 1}: carry=['.stage/{p.name}', '.stage/{PREFIX}.SHA256SUMS', '.stage/tools']  "
+        lines.append(f"call {i + 1}: carry=['.stage/{p.name}', '.stage/{PREFIX}.SHA256SUMS']  "
                      f"command: {cmd}")
     return "\n".join(lines)
 
