@@ -69,6 +69,9 @@ def collect() -> dict[str, Any]:
         except Exception as exc:  # pragma: no cover - GPU only
             report["device_name"] = f"unknown ({exc})"
 
+    if found is not None and qualname is not None:
+        in_effect = register.overrides_in_effect()
+        report["overrides"] = {"on": bool(in_effect.value), "why": in_effect.reason}
     report["attention"] = _attention_choices(found is not None)
 
     import atom.ops  # registers every op
@@ -100,6 +103,9 @@ def _sglang_state() -> dict[str, Any]:
         from atom.plugin.sglang import records
         from atom.plugin.sglang.attention_mha import attention_backend
 
+        use, why, _ = register.overrides_in_effect()
+        if not use:
+            state["models"] = [f"none ({why})"]
         records.arm_all()
         use, reason, _ = attention_backend()
         state["attention"] = f"{'atom' if use else 'SGLang default'} ({reason}; with --attention-backend atom)"
@@ -157,6 +163,8 @@ def render(report: dict[str, Any]) -> str:
     lines.append(f"device: {report['device'] or 'none'}" + (f" ({report['device_name']})" if report.get("device_name") else ""))
     lines.append(f"platform without atom: {p['without_atom']}")
     lines.append(f"platform with atom:    {p['with_atom']}")
+    if "overrides" in report:
+        lines.append(f"models and attention: {report['overrides']['why']}")
     lines.append("attention:")
     for kind, a in report["attention"].items():
         lines.append(f"  {kind}: {a['atom_backend'] or 'vLLM default'} ({a['reason']})")

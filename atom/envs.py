@@ -201,6 +201,13 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_id_list, "comma list of patch ids, or *",
         ),
         EnvVar(
+            "ATOM_ENABLE_ON_CPU", "bool", "0",
+            "On CPU atom has no fast path (its kernels there are the torch reference, slower than "
+            "vLLM-CPU's own), so its model overrides and attention backend stay off unless this is "
+            "set (atom's tests and the README's main job set it). No effect on GPUs.",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
             "ATOM_ALLOW_UNSUPPORTED_VLLM", "bool", "0",
             "Activate atom even when the installed vLLM is outside the supported range "
             "(untested; patches keep their own version guards).",

@@ -46,7 +46,8 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-import e2e  # noqa: E402  (checkpoint builder, prompts, base env)
+import e2e_common  # noqa: E402  (prompts, base env)
+import e2e_models  # noqa: E402  (checkpoint builder)
 
 VLLM_CLASSES = {
     "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
@@ -194,7 +195,7 @@ def run_config(name: str, base: dict, env: dict[str, str], workdir: Path, timeou
     spec = dict(base, config=cfg)
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
-    child_env = {**e2e.side_env(cfg["side"], env), **cfg["env"]}
+    child_env = {**e2e_common.side_env(cfg["side"], env), **cfg["env"]}
     t0 = time.time()
     log_path = workdir / f"{name}.log"
     with open(log_path, "w") as f:
@@ -222,7 +223,7 @@ def main(argv: list[str]) -> int:
         child(argv[1], argv[2])
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-kind", default="dense", choices=sorted(e2e.MODELS))
+    ap.add_argument("--model-kind", default="dense", choices=sorted(e2e_models.MODELS))
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--init-std", type=float, default=0.02)
@@ -241,22 +242,22 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     t_start = time.time()
     in_len, out_len = (int(v) for v in args.lengths.split("/"))
-    env = e2e.base_env()
+    env = e2e_common.base_env()
     if args.smoke:
-        info = e2e.build_smoke_model(args.model_kind, Path(args.model_dir))
+        info = e2e_models.build_smoke_model(args.model_kind, Path(args.model_dir))
         model, vocab = info["path"], info["vocab"]
         args.prompts, in_len, out_len = min(args.prompts, 4), min(in_len, 16), min(out_len, 8)
     elif args.model:
         model, vocab = args.model, json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     else:
-        layers = args.layers or e2e.MODELS[args.model_kind][2]
+        layers = args.layers or e2e_models.MODELS[args.model_kind][2]
         std = f"-std{args.init_std}" if args.init_std != 0.02 else ""
         path = Path(args.model_dir) / f"{args.model_kind}-L{layers}-v{args.vocab}{std}"
-        e2e.build_model(args.model_kind, layers, path, args.vocab, args.mla_experts, args.init_std)
+        e2e_models.build_model(args.model_kind, layers, path, args.vocab, args.mla_experts, args.init_std)
         model, vocab = str(path), args.vocab
     workdir = Path(args.workdir or f"/tmp/atom-agreement-{os.getpid()}")
     workdir.mkdir(parents=True, exist_ok=True)
-    prompts = [p["prompt_token_ids"] for p in e2e.prompts_for(random.Random(0), args.prompts, in_len, vocab)]
+    prompts = [p["prompt_token_ids"] for p in e2e_common.prompts_for(random.Random(0), args.prompts, in_len, vocab)]
     base = {"model": model, "prompts": prompts, "out_len": out_len, "max_model_len": in_len + out_len + 16,
             "max_num_seqs": max(args.prompts, 1), "gpu_mem": args.gpu_mem}
     names = [c.strip() for c in args.configs.split(",") if c.strip()]

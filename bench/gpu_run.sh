@@ -39,6 +39,13 @@
 #            SiLU-and-mul) then =inductor (fused by Inductor) -> $OUT/elementwise/{kernels,inductor}.{txt,json}
 #            Both: ab_profile below, bench/profile_e2e.py --side atom on FUSION_MODEL (default the
 #            `table` step's dense checkpoint), 128/128 at C=256.
+#   ab       bench/ab.py (the speed protocol: sides alive at once on the GPU, interleaved windows,
+#            bootstrap intervals, clocks) on AB_MODEL (dense | moe | mla, AB_LAYERS default 4,
+#            built under /tmp/atom-e2e-models), 128/128 at C=AB_CONC (default 32), AB_ROUNDS (5)
+#            windows of AB_WINDOW s (15). Sides: stock (atom installed, ATOM_DISABLE_VLLM_PLUGIN=1),
+#            atom (the wheel in .stage/tools, installed into /tmp/atom-new) and, when
+#            .stage/tools/old holds a wheel, old (installed into /tmp/atom-old): a before/after
+#            check of one atom change. Each side has its own compile cache. -> $OUT/ab_<model>.json, .txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 #   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
@@ -119,6 +126,22 @@ for step in "$@"; do
               cp /tmp/agree-work/*.log /tmp/agree-work/*.json "$OUT/agree/" 2>/dev/null; tail -40 "$OUT/agree/agree.txt" ;;
         fusion) ab_profile fusion ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION 0 1 ;;
         elementwise) ab_profile elementwise ATOM_COMPILE_ELEMENTWISE kernels inductor ;;
+        ab) m="${AB_MODEL:-dense}"; l="${AB_LAYERS:-4}"; d="/tmp/atom-e2e-models/$m-L$l-v32000"
+            for w in new old; do
+                src=.stage/tools; [ $w = old ] && src=.stage/tools/old
+                ls $src/atom_vllm-*.whl >/dev/null 2>&1 && [ ! -d /tmp/atom-$w ] && \
+                    python3 -m pip install -q --no-index --no-deps --target /tmp/atom-$w $src/atom_vllm-*.whl 2>&1 | tail -1
+            done
+            python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from e2e_models import build_model; \
+                print(build_model('$m', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02))" 2>&1 | tail -1
+            sides=(--side "stock:ATOM_DISABLE_VLLM_PLUGIN=1,PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-stock"
+                   --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom")
+            [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")
+            timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m-L$l" "${sides[@]}" \
+                --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" \
+                --window "${AB_WINDOW:-15}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
+                --json "$OUT/ab_$m.json" > "$OUT/ab_$m.txt" 2>&1
+            tail -12 "$OUT/ab_$m.txt" ;;
         profile) mkdir -p "$OUT/profile"
               timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \
                   --json "$OUT/profile/profile.json" > "$OUT/profile/profile.txt" 2>&1

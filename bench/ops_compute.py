@@ -434,7 +434,8 @@ class Bench:
     # -- MoE -------------------------------------------------------------------------------
 
     def moe(self) -> None:
-        from atom.ops.moe import fused_moe, topk_softmax
+        from atom.ops.moe import fused_moe
+        from atom.ops.moe_routing import topk_softmax
 
         torch = self.torch
         experts, top_k, hidden, inter = (16, 4, 64, 32) if self.dry else (128, 8, 2048, 768)

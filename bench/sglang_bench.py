@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """SGLang with atom vs stock SGLang on one GPU, both engines up at once, cells interleaved.
 
-Per model (random weights, realistic dims, few layers; checkpoints from ``bench/e2e.py``'s
+Per model (random weights, realistic dims, few layers; checkpoints from ``bench/e2e_models.py``'s
 builder, cached under ``--model-dir``):
 
 * two engine subprocesses on the same GPU, each with ``--mem-fraction-static`` (default 0.38):
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]  # atom, and bench/e2e_*'s modules (imported as scripts)
 
 SIDES = ("stock", "atom")
 
@@ -113,7 +113,7 @@ class Side:
 
 # ------------------------------------------------------------------------------------------ driver
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    from bench.e2e import agreement as e2e_agreement
+    from e2e_report import agreement as e2e_agreement
 
     return e2e_agreement(a, b)
 
@@ -131,7 +131,7 @@ def bench_model(name: str, args: argparse.Namespace, deadline: float) -> dict:
         model, vocab = str(build("qwen3" if name == "dense" else "qwen3_moe", Path(args.model_dir) / f"smoke-{name}",
                                  dtype="float32")), 1000
     else:
-        from bench.e2e import build_model
+        from e2e_models import build_model
 
         out = Path(args.model_dir) / f"{name}-L{args.layers}-v{args.vocab}"
         info = build_model(name, args.layers, out, args.vocab, 64, 0.02)

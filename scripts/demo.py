@@ -39,7 +39,8 @@ def ask(srv) -> list[str]:
 def run(model: Path, atom: bool, quiet: bool) -> tuple[list[str], list[str], float]:
     from atom.testing.server import serve
 
-    env = {"ATOM_DISABLE_VLLM_PLUGIN": "0" if atom else "1"}
+    # On CPU atom's overrides are off by default (no fast path there): the demo asks for them.
+    env = {"ATOM_DISABLE_VLLM_PLUGIN": "0", "ATOM_ENABLE_ON_CPU": "1"} if atom else {"ATOM_DISABLE_VLLM_PLUGIN": "1"}
     echo = None if quiet else (lambda line: print(f"   | {line[:160]}", flush=True))
     start = time.time()
     with serve(model, env=env, echo=echo) as srv:
@@ -61,7 +62,8 @@ def main() -> int:
     print(f"[1/3] building a tiny random Qwen3 checkpoint + tokenizer in {args.out} ...", flush=True)
     model = build("qwen3", Path(args.out) / "tiny-qwen3-fp32", dtype="float32")
 
-    print("[2/3] vllm serve with atom installed (active by default) ...", flush=True)
+    print("[2/3] vllm serve with atom installed (ATOM_ENABLE_ON_CPU=1: on a CPU atom's models and "
+          "attention are off unless asked for) ...", flush=True)
     on, lines, _ = run(model, atom=True, quiet=args.quiet)
     print("   atom activation, from the server's log (every process logs its own):")
     for line in dict.fromkeys(lines):  # each process repeats them; show each once

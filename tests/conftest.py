@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import glob
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,9 @@ for key, value in {
     "DO_NOT_TRACK": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # atom's overrides are off on CPU by default (no fast path there); the tests exercise them.
+    # Tests of that default unset it in their own subprocess.
+    "ATOM_ENABLE_ON_CPU": "1",
 }.items():
     os.environ.setdefault(key, value)
 
@@ -40,6 +44,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+#: What decides how a later test's engine runs: atom's switches and vLLM's engine mode, plugin
+#: selection, target device and cache size (vLLM itself writes many other variables when it
+#: starts an engine in this process: thread counts, ranks, library paths; those are not tests').
+_WATCHED_ENV = re.compile(r"^(ATOM_.*|VLLM_ENABLE_V1_MULTIPROCESSING|VLLM_PLUGINS|VLLM_TARGET_DEVICE|"
+                          r"VLLM_CPU_KVCACHE_SPACE|TRITON_INTERPRET|HF_HUB_OFFLINE|CUDA_VISIBLE_DEVICES)$")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def environment_unchanged():
+    """No test module leaves these variables changed: the next module's results must not depend
+    on the order the modules ran in."""
+    before = dict(os.environ)
+    yield
+    changed = sorted(k for k in set(before) | set(os.environ)
+                     if _WATCHED_ENV.match(k) and before.get(k) != os.environ.get(k))
+    assert not changed, f"environment changed by this module: {changed}"
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +90,10 @@ ENGINE_DEFAULTS = dict(
 def vllm_engine():
     """``vllm_engine(model_path, **llm_kwargs) -> vllm.LLM`` in-process (fast: ~3 s), torn down
     at the end of the module. Plugins are loaded once per process, so the environment that
-    decides atom on/off must be set before the first engine; use ``run_python`` to compare."""
+    decides atom on/off must be set before the first engine; use ``run_python`` to compare.
+    In-process engines need ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: set for the module, then put
+    back as it was (later tests' engine mode must not depend on test order)."""
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     engines = []
 
@@ -90,6 +115,10 @@ def vllm_engine():
         cleanup_dist_env_and_memory()
     except Exception:
         pass
+    if before is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

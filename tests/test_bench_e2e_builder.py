@@ -1,4 +1,4 @@
-"""bench/e2e.py's random checkpoint writer: what it writes loads into HF transformers with no
+"""bench/e2e.py's random checkpoint writer (bench/e2e_models.py): what it writes loads into HF transformers with no
 missing or unexpected tensor, matrices drawn at the requested std, 1-D parameters at HF's init
 (norm weights 1, DeepSeek's correction bias 0), for each architecture the benchmark builds."""
 
@@ -31,7 +31,7 @@ def _tensor_shapes(folder) -> dict:
 
 @pytest.fixture(scope="module")
 def e2e():
-    return load_bench("e2e")
+    return load_bench("e2e_models")
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -22,13 +22,18 @@ def e2e():
     return load_bench("e2e")
 
 
-def test_serving_cell_prompt_count(e2e):
+@pytest.fixture(scope="module")
+def e2e_serve():
+    return load_bench("e2e_serve")
+
+
+def test_serving_cell_prompt_count(e2e, e2e_serve):
     args = e2e.parse_args(["--serve", "--serve-max-out-tokens", "65536"])
-    assert e2e.serve_prompts(args, 128, 1) == 4  # at least 4 requests for the latency medians
-    assert e2e.serve_prompts(args, 128, 256) == 512  # 4 x C capped at 65,536 output tokens
-    assert e2e.serve_prompts(args, 1024, 256) == 256  # never fewer than C: one full wave
-    assert e2e.serve_prompts(args, 1024, 32) == 64
-    assert e2e.serve_prompts(e2e.parse_args(["--serve"]), 1024, 32) == 128  # no cap: 4 x C
+    assert e2e_serve.serve_prompts(args, 128, 1) == 4  # at least 4 requests for the latency medians
+    assert e2e_serve.serve_prompts(args, 128, 256) == 512  # 4 x C capped at 65,536 output tokens
+    assert e2e_serve.serve_prompts(args, 1024, 256) == 256  # never fewer than C: one full wave
+    assert e2e_serve.serve_prompts(args, 1024, 32) == 64
+    assert e2e_serve.serve_prompts(e2e.parse_args(["--serve"]), 1024, 32) == 128  # no cap: 4 x C
 
 
 def test_serve_options_need_serve(e2e):

@@ -98,3 +98,33 @@ def test_compile_elementwise_choice(monkeypatch):
         envs.ATOM_COMPILE_ELEMENTWISE
     msg = str(exc.value)
     assert "ATOM_COMPILE_ELEMENTWISE='triton'" in msg and "accepted values: inductor, kernels" in msg
+
+
+#: For every variable: values its parser must refuse (a new variable must add its own row).
+MALFORMED = {
+    "ATOM_DISABLE_VLLM_PLUGIN": ["maybe", "2", "yes please"],
+    "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": ["maybe", "-1"],
+    "ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION": ["enabled", "10"],
+    "ATOM_DISABLED_PATCHES": ["vllm.mla.x, bad id!", "a;b", "x/y"],
+    "ATOM_ENABLE_ON_CPU": ["cpu", "11"],
+    "ATOM_ALLOW_UNSUPPORTED_VLLM": ["always", "y es"],
+    "ATOM_OPS_BACKEND": ["cuda", "rms_norm=fast", "=triton", "rms_norm=triton,bogus"],
+    "ATOM_DISABLE_TORCH_COMPILE": ["never", "01x"],
+    "ATOM_COMPILE_ELEMENTWISE": ["fast", "inductor,kernels"],
+    "ATOM_MLA_CONTEXT_CHUNK_TOKENS": ["-16", "abc", "1.5", "16k", "0x10", ""],
+    "ATOM_MLA_DECODE_TILE": ["64,64,8", "48,64,8,2", "64,64,3,2", "64,64,8,0", "big"],
+}
+
+
+def test_every_variable_has_malformed_examples():
+    assert set(MALFORMED) == set(envs.VARIABLES)
+
+
+@pytest.mark.parametrize("name,raw", [(n, v) for n, values in MALFORMED.items() for v in values if v])
+def test_malformed_values_are_refused_naming_the_variable(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(envs.EnvError) as exc:
+        envs.get(name)
+    assert name in str(exc.value) and "accepted" in str(exc.value)
+    with pytest.raises(envs.EnvError):
+        envs.set_values()  # what register_model runs first: vLLM stops with this message

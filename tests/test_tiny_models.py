@@ -28,3 +28,21 @@ def test_tiny_checkpoint_runs_in_vllm_and_matches_hf(kind, tiny_model, vllm_engi
                         SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == [_hf_greedy(str(path), p) for p in PROMPTS]
+
+
+def test_one_tokenizer_builder_for_tiny_and_realistic_vocabularies(tmp_path):
+    """atom.testing.tiny_models.build_tokenizer serves both the tiny checkpoints (every id below
+    the tiny vocabulary) and bench/e2e.py's (padded so every id of a larger vocabulary decodes)."""
+    from transformers import AutoTokenizer
+
+    from atom.testing.tiny_models import VOCAB_SIZE, build_tokenizer
+
+    corpus = ["def tokenizer(text):\n    return text.split()\n" * 50] * 4
+    build_tokenizer(tmp_path / "tiny", 300, corpus=corpus)
+    build_tokenizer(tmp_path / "padded", 300, pad_to=VOCAB_SIZE, corpus=corpus)
+    tiny, padded = AutoTokenizer.from_pretrained(tmp_path / "tiny"), AutoTokenizer.from_pretrained(tmp_path / "padded")
+    assert len(tiny) <= 300 and len(padded) == VOCAB_SIZE
+    assert padded.decode([VOCAB_SIZE - 1]) == f"<|pad_{VOCAB_SIZE - 1 - len(tiny)}|>"
+    text = "def tokenizer(text): return text"
+    assert tiny(text)["input_ids"] == padded(text)["input_ids"]  # padding only adds ids past the trained ones
+    assert tiny.eos_token == padded.eos_token == "<|endoftext|>" and tiny.chat_template == padded.chat_template

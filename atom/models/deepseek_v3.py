@@ -37,7 +37,6 @@ Checkpoints: HF names. Multi-token-prediction layers (``model.layers.{i}`` with 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
@@ -46,16 +45,10 @@ from torch import nn
 
 from atom import ops
 from atom.config import Config
-from atom.models._layers import RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters, yarn_mscale
-from atom.models._linear import (
-    ColumnParallelLinear,
-    OutputSlice,
-    ParallelLMHead,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    divide,
-)
-from atom.models._loading import StackedParams, load_checkpoint_weights
+from atom.models._decoder import DecoderForCausalLM, DecoderLayer, GatedMLP, join_prefix, max_position
+from atom.models._layers import RMSNorm, RotaryEmbedding, rope_parameters, yarn_mscale
+from atom.models._linear import ColumnParallelLinear, OutputSlice, RowParallelLinear, divide
+from atom.models._loading import StackedParams
 from atom.models._moe import FusedMoE, GroupedTopkRouter
 from atom.models.interfaces import AttentionFactory, ModelParallel
 
@@ -72,10 +65,6 @@ QKV_A_STACKED = (
 )
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _replicated(input_size: int, sizes: dict[str, int], bias: bool,
@@ -160,7 +149,7 @@ class DeepseekV3Attention(nn.Module):
             q_lora_rank=self.q_lora_rank,
             kv_lora_rank=self.kv_lora_rank,
             kv_b_proj=self.kv_b_proj,
-            prefix=_join(prefix, "attn"),
+            prefix=join_prefix(prefix, "attn"),
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -179,19 +168,6 @@ class DeepseekV3Attention(nn.Module):
         # In place on the rope part of every head (a strided view, last dim contiguous).
         self.rotary_emb(positions, q[..., self.nope:], k_pe)
         return self.o_proj(self.attn(q, kv_c_normed, k_pe))
-
-
-class DeepseekV3MLP(nn.Module):
-    """SwiGLU MLP (dense layers and the shared experts); HF names ``{gate,up,down}_proj``."""
-
-    def __init__(self, hidden: int, inter: int, parallel: ModelParallel, dtype: Optional[torch.dtype]) -> None:
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear.merged(hidden, [inter, inter], parallel, dtype=dtype)
-        self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(inter, hidden, parallel, bias=False, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DeepseekV3Router(GroupedTopkRouter):
@@ -241,7 +217,7 @@ class DeepseekV3MoE(nn.Module):
         )
         shared = int(getattr(hf_config, "n_shared_experts", None) or 0)
         self.shared_experts = (
-            DeepseekV3MLP(hf_config.hidden_size, hf_config.moe_intermediate_size * shared, parallel, dtype)
+            GatedMLP(hf_config.hidden_size, hf_config.moe_intermediate_size * shared, parallel, dtype)
             if shared else None
         )
 
@@ -296,93 +272,33 @@ def check_routing(hf_config: Any) -> None:
         raise NotImplementedError(f"atom's DeepSeek MLPs implement hidden_act='silu', not {act!r}")
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, scale: float,
-                 make_attention: AttentionFactory, parallel: ModelParallel, use_expert_parallel: bool,
-                 dtype: Optional[torch.dtype], prefix: str) -> None:
-        super().__init__()
-        self.self_attn = DeepseekV3Attention(hf_config, rotary_emb, scale, make_attention, parallel, dtype,
-                                             _join(prefix, "self_attn"))
-        if is_moe_layer(hf_config, layer_idx):
-            self.mlp: nn.Module = DeepseekV3MoE(hf_config, parallel, use_expert_parallel, dtype)
-        else:
-            self.mlp = DeepseekV3MLP(hf_config.hidden_size, hf_config.intermediate_size, parallel, dtype)
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class DeepseekV3Model(nn.Module):
-    def __init__(self, hf_config: Any, make_attention: AttentionFactory, parallel: ModelParallel,
-                 use_expert_parallel: bool, dtype: Optional[torch.dtype], max_position: int, prefix: str) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, parallel, dtype=dtype)
-        params = rope_parameters(hf_config, DEFAULT_ROPE_THETA)
-        # DeepSeek rotates interleaved pairs (GPT-J style): HF's rope_interleave, vLLM's
-        # is_neox_style=False.
-        rotary_emb = RotaryEmbedding(int(hf_config.qk_rope_head_dim), params, max_position,
-                                     is_neox_style=not bool(getattr(hf_config, "rope_interleave", True)))
-        scale = attention_scale(hf_config, params)
-        self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(hf_config, i, rotary_emb, scale, make_attention, parallel, use_expert_parallel,
-                                   dtype, _join(prefix, f"layers.{i}"))
-            for i in range(hf_config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
-
-    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
-class DeepseekV3ForCausalLM(nn.Module):
-    """HF ``DeepseekV3ForCausalLM`` (DeepSeek-V3/R1, Kimi-K2): ``model`` + ``lm_head``.
-
-    Args:
-        config: atom's Config; ``config.hf_config`` the HF ``DeepseekV3Config`` (or any object
-            with its fields), ``config.dtype`` the parameter dtype, ``config.enable_expert_parallel``
-            expert parallelism over ``parallel.ep_group``.
-        make_attention: a factory with an ``mla`` method
-            (:class:`atom.models.interfaces.MLAAttentionFactory`); layer i's attention is named
-            ``{prefix}model.layers.{i}.self_attn.attn``.
-        parallel: this rank's tensor/expert-parallel position and groups.
-        prefix: prepended to the attention layer names (the host's name for this model).
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
+    """HF ``DeepseekV3ForCausalLM`` (DeepSeek-V3/R1, Kimi-K2): ``model`` + ``lm_head``; constructor
+    as :class:`atom.models._decoder.DecoderForCausalLM`, with ``make_attention`` a factory with an
+    ``mla`` method (:class:`atom.models.interfaces.MLAAttentionFactory`) and
+    ``config.enable_expert_parallel`` selecting expert parallelism over ``parallel.ep_group``.
     """
 
-    def __init__(
-        self,
-        config: Config,
-        *,
-        make_attention: AttentionFactory,
-        parallel: ModelParallel = ModelParallel(),
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
+    def build_layers(self, config: Config, make_attention: AttentionFactory, parallel: ModelParallel,
+                     prefix: str) -> list[nn.Module]:
         hf = config.hf_config
         check_routing(hf)
-        self.hf_config = hf
-        max_position = max(int(getattr(hf, "max_position_embeddings", 0) or 0), int(config.max_model_len))
-        self.model = DeepseekV3Model(hf, make_attention, parallel, config.enable_expert_parallel, config.dtype,
-                                     max_position, _join(prefix, "model"))
-        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, parallel, dtype=config.dtype)
-        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        params = rope_parameters(hf, DEFAULT_ROPE_THETA)
+        # DeepSeek rotates interleaved pairs (GPT-J style): HF's rope_interleave, vLLM's
+        # is_neox_style=False.
+        rotary_emb = RotaryEmbedding(int(hf.qk_rope_head_dim), params, max_position(config),
+                                     is_neox_style=not bool(getattr(hf, "rope_interleave", True)))
+        scale = attention_scale(hf, params)
+        layers = []
+        for i in range(hf.num_hidden_layers):
+            attn = DeepseekV3Attention(hf, rotary_emb, scale, make_attention, parallel, config.dtype,
+                                       join_prefix(prefix, f"layers.{i}.self_attn"))
+            if is_moe_layer(hf, i):
+                mlp: nn.Module = DeepseekV3MoE(hf, parallel, config.enable_expert_parallel, config.dtype)
+            else:
+                mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, parallel, config.dtype)
+            layers.append(DecoderLayer(attn, mlp, hf.hidden_size, hf.rms_norm_eps, config.dtype))
+        return layers
 
     def stacked_params(self) -> StackedParams:
         """Checkpoint matrices fused at load. Expert entries first (``experts.3.gate_proj`` would
@@ -395,30 +311,11 @@ class DeepseekV3ForCausalLM(nn.Module):
             stacked += QKV_A_STACKED
         return stacked
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final hidden states ``[num_tokens, hidden]`` of a flat batch of tokens."""
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits on every rank (a host may instead use ``lm_head.local_logits``)."""
-        return self.lm_head.logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the parameter names (of this module) now loaded."""
-        num_layers = int(self.hf_config.num_hidden_layers)
-
-        def skip(name: str) -> bool:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                return True
-            # Multi-token-prediction layers follow the decoder layers in DeepSeek-V3's release.
-            m = _LAYER_INDEX.search(name)
-            return m is not None and int(m.group(1)) >= num_layers
-
-        return load_checkpoint_weights(self, weights, self.stacked_params(), skip)
+    def skip_weight(self, name: str) -> bool:
+        """Also the multi-token-prediction layers, which follow the decoder layers in
+        DeepSeek-V3's release."""
+        m = _LAYER_INDEX.search(name)
+        return super().skip_weight(name) or (m is not None and int(m.group(1)) >= int(self.hf_config.num_hidden_layers))
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

@@ -1,6 +1,6 @@
 """GLM-4-MoE (GLM-4.5 / 4.6): atom's implementation of HF ``Glm4MoeForCausalLM``.
 
-The Llama-family decoder of :mod:`atom.models.qwen3` with, per the HF config:
+The Llama-family decoder of :mod:`atom.models._decoder` with, per the HF config:
 
 * attention: biases on q/k/v_proj when ``attention_bias`` (never on o_proj); per-head RMSNorm of
   q and k when ``use_qk_norm``; NeoX RoPE on the first ``partial_rotary_factor`` (default 0.5,
@@ -25,12 +25,10 @@ import torch
 from torch import nn
 
 from atom.config import Config
-from atom.models._layers import rope_parameters
+from atom.models._decoder import STACKED_PARAMS, AttentionOptions, GatedMLP, LlamaFamilyForCausalLM
 from atom.models._loading import StackedParams
 from atom.models._moe import FusedMoE, GroupedTopkRouter
 from atom.models.interfaces import ModelParallel
-from atom.models.llama import LlamaForCausalLM
-from atom.models.qwen3 import STACKED_PARAMS, AttentionOptions, Qwen3MLP
 
 #: RoPE base and rotated fraction of each head when a config omits them (HF Glm4MoeConfig's).
 DEFAULT_ROPE_THETA = 10000.0
@@ -59,8 +57,9 @@ class Glm4MoeSparseMoeBlock(nn.Module):
         n_shared = int(getattr(hf_config, "n_shared_experts", 0) or 0)
         # Tensor parallel like any dense MLP (also under expert parallelism: vLLM's EP group is
         # the TP group, so both sums cover the same ranks).
-        self.shared_experts = (Qwen3MLP(hf_config, parallel, dtype, intermediate_size=hf_config.moe_intermediate_size
-                                        * n_shared) if n_shared else None)
+        self.shared_experts = (GatedMLP.of(hf_config, parallel, dtype,
+                                           intermediate_size=hf_config.moe_intermediate_size * n_shared)
+                               if n_shared else None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden_states)
@@ -70,23 +69,25 @@ class Glm4MoeSparseMoeBlock(nn.Module):
         return out
 
 
-class Glm4MoeForCausalLM(LlamaForCausalLM):
-    """HF ``Glm4MoeForCausalLM``; constructor arguments as :class:`atom.models.qwen3.Qwen3ForCausalLM`.
+class Glm4MoeForCausalLM(LlamaFamilyForCausalLM):
+    """HF ``Glm4MoeForCausalLM``; constructor as :class:`atom.models.qwen3.Qwen3ForCausalLM`.
     ``config.enable_expert_parallel`` selects expert parallelism for the routed experts."""
+
+    default_rope_theta = DEFAULT_ROPE_THETA
 
     def attention_options(self, hf_config: Any) -> AttentionOptions:
         return AttentionOptions(qkv_bias=bool(getattr(hf_config, "attention_bias", False)), o_bias=False,
                                 qk_norm=bool(getattr(hf_config, "use_qk_norm", False)))
 
     def rope_params(self, hf_config: Any) -> dict[str, Any]:
-        params = rope_parameters(hf_config, DEFAULT_ROPE_THETA)
+        params = super().rope_params(hf_config)
         params.setdefault("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)
         return params
 
-    def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> Optional[nn.Module]:
+    def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> nn.Module:
         hf = config.hf_config
         if layer_idx < int(getattr(hf, "first_k_dense_replace", 0) or 0):
-            return Qwen3MLP(hf, parallel, config.dtype)
+            return GatedMLP.of(hf, parallel, config.dtype)
         return Glm4MoeSparseMoeBlock(hf, parallel, config.enable_expert_parallel, config.dtype)
 
     def stacked_params(self) -> StackedParams:

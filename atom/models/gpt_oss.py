@@ -22,7 +22,7 @@ group.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from typing import Any, Optional
 
 import torch
@@ -30,15 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.config import Config
-from atom.models._layers import RMSNorm, RotaryEmbedding, rope_parameters
-from atom.models._linear import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    ReplicatedLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
-from atom.models._loading import load_checkpoint_weights
+from atom.models._decoder import (DecoderForCausalLM, DecoderLayer, GQAProjections, head_dim_of, join_prefix,
+                                  max_position)
+from atom.models._layers import RotaryEmbedding, rope_parameters
+from atom.models._linear import ReplicatedLinear
+from atom.models._loading import StackedParams
 from atom.models._moe import FusedMoE
 from atom.models.interfaces import AttentionFactory, ModelParallel
 
@@ -59,10 +55,6 @@ EXPERT_PARAMS = (
 )
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def refuse_quantized(hf_config: Any) -> None:
     """GPT-OSS's released checkpoints are MXFP4 (``quantization_config.quant_method``); atom
     implements the bf16 layout only."""
@@ -77,7 +69,7 @@ def refuse_quantized(hf_config: Any) -> None:
     )
 
 
-class GptOssAttention(nn.Module):
+class GptOssAttention(GQAProjections):
     """HF names: ``self_attn.{q,k,v,o}_proj.{weight,bias}``, ``self_attn.sinks [num_heads]``."""
 
     def __init__(
@@ -90,32 +82,13 @@ class GptOssAttention(nn.Module):
         dtype: Optional[torch.dtype],
         prefix: str,
     ) -> None:
-        super().__init__()
-        hidden = hf_config.hidden_size
-        num_heads = hf_config.num_attention_heads
-        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
         bias = bool(getattr(hf_config, "attention_bias", True))
-        self.qkv_proj = ColumnParallelLinear.qkv(hidden, self.head_dim, num_heads, num_kv_heads, parallel,
-                                                 bias=bias, dtype=dtype)
-        self.num_heads = self.qkv_proj.num_local_heads
-        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, parallel, bias=bias, dtype=dtype)
+        super().__init__(hf_config, parallel, dtype, qkv_bias=bias, o_bias=bias)
         self.head_start = parallel.tp_rank * self.num_heads
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), requires_grad=False)
         self.rotary_emb = rotary_emb  # shared by every layer
         self.sliding_window = sliding_window_of(hf_config, layer_idx)
-        self.attn = make_attention(
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            scale=self.head_dim**-0.5,
-            num_kv_heads=self.num_kv_heads,
-            prefix=_join(prefix, "attn"),
-            sliding_window=self.sliding_window,
-            sinks=self.sinks,
-        )
+        self.attn = self.build_attention(make_attention, prefix, sliding_window=self.sliding_window, sinks=self.sinks)
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: Optional[Hashable] = None) -> None:
         """This rank's heads' sinks (the projections are submodules with their own loaders).
@@ -128,8 +101,7 @@ class GptOssAttention(nn.Module):
         self.sinks.data.copy_(src)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.split_qkv(hidden_states)
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
         return self.o_proj(self.attn(q, k, v))
 
@@ -205,98 +177,26 @@ class GptOssMLP(nn.Module):
         return self.experts(hidden_states, self.router(hidden_states))
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, make_attention: AttentionFactory,
-                 parallel: ModelParallel, use_expert_parallel: bool, dtype: Optional[torch.dtype],
-                 prefix: str) -> None:
-        super().__init__()
-        self.self_attn = GptOssAttention(hf_config, layer_idx, rotary_emb, make_attention, parallel, dtype,
-                                         _join(prefix, "self_attn"))
-        self.mlp = GptOssMLP(hf_config, parallel, use_expert_parallel, dtype)
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, hf_config: Any, make_attention: AttentionFactory, parallel: ModelParallel,
-                 use_expert_parallel: bool, dtype: Optional[torch.dtype], max_position: int, prefix: str) -> None:
-        super().__init__()
-        hidden = hf_config.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel, dtype=dtype)
-        head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
-        # HF GPT-OSS rotates the two halves of each head (NeoX style).
-        rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config, DEFAULT_ROPE_THETA), max_position,
-                                     is_neox_style=True)
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(hf_config, i, rotary_emb, make_attention, parallel, use_expert_parallel, dtype,
-                               _join(prefix, f"layers.{i}"))
-            for i in range(hf_config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, dtype=dtype)
-
-    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
-class GptOssForCausalLM(nn.Module):
-    """HF ``GptOssForCausalLM``; constructor arguments as :class:`atom.models.qwen3.Qwen3ForCausalLM`.
+class GptOssForCausalLM(DecoderForCausalLM):
+    """HF ``GptOssForCausalLM``; constructor as :class:`atom.models._decoder.DecoderForCausalLM`.
     ``config.enable_expert_parallel`` selects expert parallelism over ``parallel.ep_group``."""
 
-    def __init__(
-        self,
-        config: Config,
-        *,
-        make_attention: AttentionFactory,
-        parallel: ModelParallel = ModelParallel(),
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
+    def build_layers(self, config: Config, make_attention: AttentionFactory, parallel: ModelParallel,
+                     prefix: str) -> list[nn.Module]:
         hf = config.hf_config
         refuse_quantized(hf)
-        self.hf_config = hf
-        max_position = max(int(getattr(hf, "max_position_embeddings", 0) or 0), int(config.max_model_len))
-        self.model = GptOssModel(hf, make_attention, parallel, bool(config.enable_expert_parallel), config.dtype,
-                                 max_position, _join(prefix, "model"))
-        self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, parallel, dtype=config.dtype)
-        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        # HF GPT-OSS rotates the two halves of each head (NeoX style).
+        rotary_emb = RotaryEmbedding(head_dim_of(hf), rope_parameters(hf, DEFAULT_ROPE_THETA), max_position(config),
+                                     is_neox_style=True)
+        ep = bool(config.enable_expert_parallel)
+        return [
+            DecoderLayer(GptOssAttention(hf, i, rotary_emb, make_attention, parallel, config.dtype,
+                                         join_prefix(prefix, f"layers.{i}.self_attn")),
+                         GptOssMLP(hf, parallel, ep, config.dtype), hf.hidden_size, hf.rms_norm_eps, config.dtype)
+            for i in range(hf.num_hidden_layers)
+        ]
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final hidden states ``[num_tokens, hidden]`` of a flat batch of tokens."""
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the parameter names (of this module) now loaded."""
-
-        def skip(name: str) -> bool:
-            return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
-
+    def stacked_params(self) -> StackedParams:
         # Expert entries first (``experts.gate_up_proj_bias`` is one dotted component, so no
         # entry is a prefix of another).
-        return load_checkpoint_weights(self, weights, [*EXPERT_PARAMS, *ATTENTION_PARAMS], skip)
+        return [*EXPERT_PARAMS, *ATTENTION_PARAMS]

@@ -12,19 +12,18 @@ default (vLLM: the cache config's sliding window, taken from the same field), as
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from atom.config import Config
+from atom.models._decoder import STACKED_PARAMS, AttentionOptions, LlamaFamilyForCausalLM
 from atom.models._linear import ReplicatedLinear
 from atom.models._loading import StackedParams
 from atom.models._moe import FusedMoE
 from atom.models.interfaces import ModelParallel
-from atom.models.llama import LlamaForCausalLM
-from atom.models.qwen3 import STACKED_PARAMS
+from atom.models.llama import DEFAULT_ROPE_THETA, llama_attention
 
 #: HF's name of the feed-forward block, which atom's decoder layer holds as ``mlp``.
 CHECKPOINT_BLOCK = ".block_sparse_moe."
@@ -50,11 +49,17 @@ class MixtralSparseMoeBlock(nn.Module):
         return self.experts(hidden_states, self.gate(hidden_states))
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
-    """HF ``MixtralForCausalLM``; constructor arguments as :class:`atom.models.qwen3.Qwen3ForCausalLM`.
+class MixtralForCausalLM(LlamaFamilyForCausalLM):
+    """HF ``MixtralForCausalLM``; constructor as :class:`atom.models.qwen3.Qwen3ForCausalLM`.
     ``config.enable_expert_parallel`` selects expert parallelism over ``parallel.ep_group``."""
 
-    def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> Optional[nn.Module]:
+    default_rope_theta = DEFAULT_ROPE_THETA
+    checkpoint_renames = ((CHECKPOINT_BLOCK, ".mlp."),)
+
+    def attention_options(self, hf_config: Any) -> AttentionOptions:
+        return llama_attention(hf_config)
+
+    def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> nn.Module:
         return MixtralSparseMoeBlock(config.hf_config, parallel, config.enable_expert_parallel, config.dtype)
 
     def stacked_params(self) -> StackedParams:
@@ -62,6 +67,3 @@ class MixtralForCausalLM(LlamaForCausalLM):
         n = self.hf_config.num_local_experts
         return [*FusedMoE.checkpoint_params(n, names=("w1", "w3", "w2")), *FusedMoE.checkpoint_params(n),
                 *STACKED_PARAMS]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights((name.replace(CHECKPOINT_BLOCK, ".mlp."), t) for name, t in weights)

@@ -1,10 +1,10 @@
 """Qwen3-MoE: atom's implementation of HF ``Qwen3MoeForCausalLM``.
 
-Identical to Qwen3 dense (:mod:`atom.models.qwen3`: QK-norm attention, fused norms, vocab-parallel
+Qwen3's decoder (:mod:`atom.models.qwen3`: QK-norm attention, fused norms, vocab-parallel
 embedding and head, tied head) except for the feed-forward block of the sparse layers: a router
 linear (no bias) -> softmax top-k (renormalised when ``norm_topk_prob``) -> SwiGLU experts
 (:class:`atom.models._moe.FusedMoE`). Layer i is sparse unless it is in ``mlp_only_layers`` or
-``(i + 1) % decoder_sparse_step != 0``; dense layers use Qwen3's MLP with ``intermediate_size``.
+``(i + 1) % decoder_sparse_step != 0``; dense layers use the SwiGLU MLP with ``intermediate_size``.
 
 Parallelism: attention as in Qwen3; experts split per expert across the TP group, or, with the
 config's ``enable_expert_parallel``, whole experts split across the EP group.
@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 from atom.config import Config
+from atom.models._decoder import STACKED_PARAMS, AttentionOptions, LlamaFamilyForCausalLM
 from atom.models._linear import ReplicatedLinear
 from atom.models._loading import StackedParams
 from atom.models._moe import FusedMoE
 from atom.models._quant import Fp8Spec, layer_spec
 from atom.models.interfaces import ModelParallel
-from atom.models.qwen3 import STACKED_PARAMS, Qwen3ForCausalLM
+from atom.models.qwen3 import DEFAULT_ROPE_THETA, qwen3_attention
 
 
 def num_experts(hf_config: Any) -> int:
@@ -67,13 +68,18 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return self.experts(hidden_states, self.gate(hidden_states))
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """HF ``Qwen3MoeForCausalLM``; constructor arguments as :class:`Qwen3ForCausalLM`.
+class Qwen3MoeForCausalLM(LlamaFamilyForCausalLM):
+    """HF ``Qwen3MoeForCausalLM``; constructor as :class:`atom.models.qwen3.Qwen3ForCausalLM`.
     ``config.enable_expert_parallel`` selects expert parallelism over ``parallel.ep_group``."""
 
-    def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> Optional[nn.Module]:
+    default_rope_theta = DEFAULT_ROPE_THETA
+
+    def attention_options(self, hf_config: Any) -> AttentionOptions:
+        return qwen3_attention(hf_config)
+
+    def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> nn.Module:
         if not is_sparse_layer(config.hf_config, layer_idx):
-            return None
+            return super().build_mlp(layer_idx, config, parallel)
         return Qwen3MoeSparseMoeBlock(config.hf_config, parallel, config.enable_expert_parallel, config.dtype,
                                       self.quant, f"model.layers.{layer_idx}.mlp")
 

@@ -26,8 +26,8 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (>= 1)."""
-    return 1 << max(0, (int(n) - 1).bit_length())
+    """Smallest power of two >= max(n, 1) (tile sizes of every Triton kernel)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def check_float(name: str, t: torch.Tensor) -> None:

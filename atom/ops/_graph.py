@@ -37,11 +37,15 @@ This module never imports vLLM.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from atom.ops._dispatch import Op
+from atom.ops.activation import SILU_AND_MUL
+from atom.ops.moe import fused_moe
+from atom.ops.moe_routing import grouped_topk_sigmoid, topk_softmax
+from atom.ops.rmsnorm import RMS_NORM
+from atom.ops.rotary import ROTARY_EMBEDDING
 
 LIB = "atom"
 
@@ -59,8 +63,6 @@ def _fresh(t: torch.Tensor, inputs: tuple) -> torch.Tensor:
 def _rms_norm_node(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    out_dtype: Optional[torch.dtype] = None,
                    scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    from atom.ops.rmsnorm import RMS_NORM
-
     return _fresh(RMS_NORM(x, weight, eps, None, out_dtype, scale), (x, weight))
 
 
@@ -73,8 +75,6 @@ def _(x, weight, eps, out_dtype=None, scale=None):
 def _fused_add_rms_norm_node(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                              out_dtype: Optional[torch.dtype] = None,
                              scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops.rmsnorm import RMS_NORM
-
     y, s = RMS_NORM(x, weight, eps, residual, out_dtype, scale)
     inputs = (x, residual, weight)
     return _fresh(y, inputs), _fresh(s, inputs)
@@ -85,6 +85,7 @@ def _(x, residual, weight, eps, out_dtype=None, scale=None):
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.shape)
 
 
+@RMS_NORM.graph
 def _rms_norm_graph(x, weight, eps, residual=None, out_dtype=None, scale=None, *, out=None, residual_out=None):
     if residual is None:
         y = torch.ops.atom.rms_norm(x, weight, float(eps), out_dtype, scale)
@@ -101,8 +102,6 @@ def _rms_norm_graph(x, weight, eps, residual=None, out_dtype=None, scale=None, *
 @torch.library.custom_op(f"{LIB}::rotary_embedding", mutates_args=("query", "key"))
 def _rotary_node(positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor],
                  cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int, is_neox: bool) -> None:
-    from atom.ops.rotary import ROTARY_EMBEDDING
-
     ROTARY_EMBEDDING(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox)
 
 
@@ -111,6 +110,7 @@ def _(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox):
     return None
 
 
+@ROTARY_EMBEDDING.graph
 def _rotary_graph(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox):
     torch.ops.atom.rotary_embedding(positions, query, key, cos_sin_cache, int(head_size), int(rotary_dim),
                                     bool(is_neox))
@@ -120,8 +120,6 @@ def _rotary_graph(positions, query, key, cos_sin_cache, head_size, rotary_dim, i
 # -- silu_and_mul -------------------------------------------------------------------------------
 @torch.library.custom_op(f"{LIB}::silu_and_mul", mutates_args=())
 def _silu_node(x: torch.Tensor) -> torch.Tensor:
-    from atom.ops.activation import SILU_AND_MUL
-
     return _fresh(SILU_AND_MUL(x), (x,))
 
 
@@ -130,6 +128,7 @@ def _(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
+@SILU_AND_MUL.graph
 def _silu_graph(x, *, out=None):
     y = torch.ops.atom.silu_and_mul(x)
     return y if out is None else out.copy_(y)
@@ -139,8 +138,6 @@ def _silu_graph(x, *, out=None):
 @torch.library.custom_op(f"{LIB}::topk_softmax", mutates_args=())
 def _topk_softmax_node(router_logits: torch.Tensor, top_k: int,
                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops.moe import topk_softmax
-
     w, ids = topk_softmax(router_logits, top_k, renormalize)
     return _fresh(w, (router_logits,)), _fresh(ids, (router_logits,))
 
@@ -152,6 +149,7 @@ def _(router_logits, top_k, renormalize):
             router_logits.new_empty((t, top_k), dtype=torch.int32))
 
 
+@topk_softmax.graph
 def _topk_softmax_graph(router_logits, top_k, renormalize):
     return torch.ops.atom.topk_softmax(router_logits, int(top_k), bool(renormalize))
 
@@ -160,8 +158,6 @@ def _topk_softmax_graph(router_logits, top_k, renormalize):
 def _grouped_topk_node(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
                        topk_groups: int, routed_scaling_factor: float,
                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops.moe import grouped_topk_sigmoid
-
     w, ids = grouped_topk_sigmoid(router_logits, correction_bias, top_k, num_groups, topk_groups,
                                   routed_scaling_factor, renormalize)
     inputs = (router_logits, correction_bias)
@@ -175,6 +171,7 @@ def _(router_logits, correction_bias, top_k, num_groups, topk_groups, routed_sca
             router_logits.new_empty((t, top_k), dtype=torch.int32))
 
 
+@grouped_topk_sigmoid.graph
 def _grouped_topk_graph(router_logits, correction_bias, top_k, num_groups, topk_groups, routed_scaling_factor,
                         renormalize):
     return torch.ops.atom.grouped_topk_sigmoid(router_logits, correction_bias, int(top_k), int(num_groups),
@@ -188,8 +185,6 @@ def _fused_moe_node(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
                     block_shape: Optional[list[int]] = None, w13_bias: Optional[torch.Tensor] = None,
                     w2_bias: Optional[torch.Tensor] = None, activation: str = "silu",
                     swiglu_alpha: float = 1.702, swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
-    from atom.ops.moe import fused_moe
-
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, w13_scale=w13_scale,
                     w2_scale=w2_scale, block_shape=block_shape, w13_bias=w13_bias, w2_bias=w2_bias,
                     activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
@@ -202,6 +197,7 @@ def _(x, w13, w2, topk_weights, topk_ids, expert_map=None, w13_scale=None, w2_sc
     return x.new_empty(x.shape)
 
 
+@fused_moe.graph
 def _fused_moe_graph(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_scale=None, w2_scale=None,
                      block_shape=None, out=None, w13_bias=None, w2_bias=None, activation="silu",
                      swiglu_alpha=1.702, swiglu_limit=7.0):
@@ -210,20 +206,3 @@ def _fused_moe_graph(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13
                                  w13_bias, w2_bias, str(activation), float(swiglu_alpha),
                                  None if swiglu_limit is None else float(swiglu_limit))
     return y if out is None else out.copy_(y)
-
-
-#: op name -> the graph form :meth:`Op.__call__` uses while Dynamo traces.
-GRAPH_FORMS: dict[str, Any] = {
-    "rms_norm": _rms_norm_graph,
-    "rotary_embedding": _rotary_graph,
-    "silu_and_mul": _silu_graph,
-    "topk_softmax": _topk_softmax_graph,
-    "grouped_topk_sigmoid": _grouped_topk_graph,
-    "fused_moe": _fused_moe_graph,
-}
-
-
-def attach(ops: dict[str, Op]) -> None:
-    """Give each declared op its graph form (called once by ``atom.ops``)."""
-    for name, form in GRAPH_FORMS.items():
-        ops[name].graph_form = form

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from atom.ops._common import check_float
-from atom.ops._dispatch import Op, register
+from atom.ops._dispatch import declare
 
 __all__ = ["silu_and_mul", "SILU_AND_MUL"]
 
@@ -26,13 +26,28 @@ def _check(x: torch.Tensor, out: Optional[torch.Tensor]) -> tuple[int, ...]:
     return shape
 
 
-def _silu_torch(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+@declare("silu_and_mul", doc="silu(x[..., :d]) * x[..., d:]")
+def silu_and_mul(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` ``[..., 2*d]``, computed in fp32.
+
+    Args:
+        x: gate and up projections concatenated on the last dim (float16/bfloat16/float32).
+        out: optional preallocated ``[..., d]`` output of ``x``'s dtype.
+
+    Returns:
+        ``[..., d]`` in ``x``'s dtype (``out`` when given).
+    """
     _check(x, out)
     a, b = x.float().chunk(2, dim=-1)
     y = (torch.nn.functional.silu(a) * b).to(x.dtype)
     if out is None:
         return y
     return out.copy_(y)
+
+
+SILU_AND_MUL = silu_and_mul
+# While torch.compile traces (ATOM_COMPILE_ELEMENTWISE=inductor): the reference as it is.
+silu_and_mul.inductor(silu_and_mul.reference)
 
 
 def _as_rows(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -50,8 +65,9 @@ def _silu_triton_supports(x: torch.Tensor, *, out: Optional[torch.Tensor] = None
     return None
 
 
+@silu_and_mul.triton(supports=_silu_triton_supports)
 def _silu_triton(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    from atom.ops import _triton_act_quant as kernels
+    from atom.ops import activation_triton as kernels
 
     shape = _check(x, out)
     x2 = _as_rows(x)
@@ -68,6 +84,7 @@ def _silu_aiter_supports(x: torch.Tensor, *, out: Optional[torch.Tensor] = None)
     return None
 
 
+@silu_and_mul.aiter(supports=_silu_aiter_supports)
 def _silu_aiter(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     import aiter
 
@@ -76,31 +93,3 @@ def _silu_aiter(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     aiter.silu_and_mul(out, x.contiguous())
     return out
-
-
-SILU_AND_MUL = register(
-    Op(
-        "silu_and_mul",
-        torch_impl=_silu_torch,
-        triton_impl=_silu_triton,
-        aiter_impl=_silu_aiter,
-        triton_supports=_silu_triton_supports,
-        aiter_supports=_silu_aiter_supports,
-        # While torch.compile traces (ATOM_COMPILE_ELEMENTWISE=inductor): the reference as it is.
-        inductor_form=_silu_torch,
-        doc="silu(x[..., :d]) * x[..., d:]",
-    )
-)
-
-
-def silu_and_mul(x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` ``[..., 2*d]``, computed in fp32.
-
-    Args:
-        x: gate and up projections concatenated on the last dim (float16/bfloat16/float32).
-        out: optional preallocated ``[..., d]`` output of ``x``'s dtype.
-
-    Returns:
-        ``[..., d]`` in ``x``'s dtype (``out`` when given).
-    """
-    return SILU_AND_MUL(x, out=out)

@@ -1,4 +1,4 @@
-"""Paged attention over vLLM's NHD KV cache: one entry point for prefill, extend and decode.
+"""Paged attention over an NHD KV cache (the layout vLLM and SGLang hold): one entry point for prefill, extend and decode.
 
 Layout (shared with the rest of atom):
 
@@ -32,16 +32,14 @@ from typing import Optional, Union
 
 import torch
 
-from atom.ops._dispatch import Op, register
+from atom.ops._common import FLOAT_DTYPES
+from atom.ops._dispatch import declare
 
 __all__ = ["paged_attention", "paged_attention_torch"]
 
 Scale = Union[torch.Tensor, float, None]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def _scale_of(scale: Scale) -> Union[torch.Tensor, float]:
     if scale is None:
         return 1.0
@@ -77,7 +75,10 @@ def _check_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
         raise ValueError(f"lse must be float32 [{q.shape[0]}, {num_heads}], got {lse.dtype} {tuple(lse.shape)}")
 
 
-def paged_attention_torch(
+@declare("paged_attention",
+         doc="Paged (NHD) attention for packed varlen queries: prefill, extend and decode in one call; "
+             "GQA, sliding window, sinks, fp8 caches; optional log-sum-exp output.")
+def paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -96,7 +97,9 @@ def paged_attention_torch(
     out: Optional[torch.Tensor] = None,
     lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Reference paged attention: per sequence, gather its keys/values and do float32 softmax.
+    """Paged attention of the packed queries ``q`` over the paged KV cache (see the module
+    docstring for the layout, masking, sinks and ``lse``). The reference: per sequence, gather
+    its keys/values and do a float32 softmax.
 
     Returns ``out`` (allocated like ``q`` when not given), ``[total_q_tokens, num_heads,
     head_size]`` in ``q``'s dtype. ``max_query_len`` / ``max_seq_len`` are accepted for
@@ -143,17 +146,16 @@ def paged_attention_torch(
     return out
 
 
+paged_attention_torch = paged_attention.reference
+
+
 # -- Triton ------------------------------------------------------------------------------------
 
 
 def _triton_supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, *args, sinks=None, out=None, lse=None,
-                     **kwargs) -> Optional[str]:
+                     block_table: torch.Tensor, *args, out=None, lse=None, **kwargs) -> Optional[str]:
     if lse is not None and lse.stride(-1) != 1:
         return "the lse output needs a unit-stride head dimension"
-    if q.dtype not in _FLOAT_DTYPES:
-        return f"q dtype {q.dtype} (needs float16/bfloat16/float32)"
     if key_cache.dtype != q.dtype and key_cache.dtype not in _FP8_DTYPES:
         return f"cache dtype {key_cache.dtype} with q dtype {q.dtype}"
     if value_cache.dtype != key_cache.dtype:
@@ -168,6 +170,7 @@ def _triton_supports(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return None
 
 
+@paged_attention.triton(supports=_triton_supports, dtypes=FLOAT_DTYPES)
 def _paged_attention_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
@@ -183,19 +186,18 @@ def _paged_attention_triton(q: torch.Tensor, key_cache: torch.Tensor, value_cach
 # -- AITER (ROCm) ------------------------------------------------------------------------------
 
 
-def _aiter_supports(q: torch.Tensor, key_cache: torch.Tensor, *args, sinks=None,
-                    k_scale=None, v_scale=None, lse=None, **kwargs) -> Optional[str]:
+def _aiter_supports(q: torch.Tensor, key_cache: torch.Tensor, *args, sinks=None, lse=None,
+                    **kwargs) -> Optional[str]:
     if lse is not None:
         return "the LSE output is not covered by atom's aiter binding"
     if sinks is not None:
         return "attention sinks are not covered by atom's aiter binding"
     if key_cache.dtype in _FP8_DTYPES:
         return "fp8 KV caches are not covered by atom's aiter binding (needs aiter's shuffled layout)"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"aiter flash attention needs fp16/bf16, got {q.dtype}"
     return None
 
 
+@paged_attention.aiter(supports=_aiter_supports, dtypes=(torch.float16, torch.bfloat16))
 def _paged_attention_aiter(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
@@ -229,19 +231,6 @@ def _paged_attention_aiter(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         return res
     out.copy_(res)
     return out
-
-
-paged_attention = register(Op(
-    name="paged_attention",
-    torch_impl=paged_attention_torch,
-    triton_impl=_paged_attention_triton,
-    aiter_impl=_paged_attention_aiter,
-    triton_supports=_triton_supports,
-    aiter_supports=_aiter_supports,
-    doc="Paged (NHD) attention for packed varlen queries: prefill, extend and decode in one call; "
-        "GQA, sliding window, sinks, fp8 caches; optional log-sum-exp output.",
-))
-paged_attention.__doc__ = paged_attention_torch.__doc__
 
 
 def warm_up_paged_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -26,31 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops._common import next_pow2
 from atom.ops._dispatch import triton_interpreting
+from atom.ops.common_triton import dot_flags
 
 LOG2E = 1.4426950408889634
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= max(n, 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def dot_flags(dtype: torch.dtype) -> tuple[bool, Optional[str]]:
-    """(UPCAST, PREC) constexprs for ``tl.dot`` on operands of ``dtype``.
-
-    Triton's CPU interpreter (3.9) multiplies the raw uint16 storage of bfloat16 operands in
-    ``tl.dot``, so under the interpreter bf16 operands are upcast to fp32 first (exact: the
-    product of two bf16 values is representable in fp32). fp32 inputs ask for fp32-accurate
-    products so the fp32 path is a real check rather than TF32: 3xTF32 on NVIDIA (tensor
-    cores; Triton's IEEE FMA path spills registers at attention tile sizes), IEEE elsewhere.
-    """
-    upcast = triton_interpreting() and dtype == torch.bfloat16
-    if dtype != torch.float32:
-        return upcast, None  # Triton's default for 16-bit operands
-    return upcast, ("ieee" if getattr(torch.version, "hip", None) else "tf32x3")
 
 
 @functools.lru_cache(maxsize=8)

@@ -37,10 +37,10 @@ from atom.ops._common import (
     kv_cache_is_fp8,
     last_dim_contiguous,
 )
-from atom.ops._dispatch import Op, register
-from atom.ops.kv_cache import _cache_torch
-from atom.ops.rmsnorm import _rms_norm_torch
-from atom.ops.rotary import _rope_torch
+from atom.ops._dispatch import declare
+from atom.ops.kv_cache import RESHAPE_AND_CACHE
+from atom.ops.rmsnorm import RMS_NORM
+from atom.ops.rotary import ROTARY_EMBEDDING
 
 __all__ = ["fused_qk_norm_rope_cache", "FUSED_QK_NORM_ROPE_CACHE", "split_qkv"]
 
@@ -105,8 +105,10 @@ def _check(
     return rotary_dim, fp8
 
 
-# -- torch reference: exactly the unfused composition -------------------------------------------
-def _fused_torch(
+# -- the op, declared by its torch reference: exactly the unfused composition -------------------
+@declare("fused_qk_norm_rope_cache",
+         doc="per-head RMSNorm(q, k) + RoPE + paged KV-cache write (fp8 optional), one kernel")
+def fused_qk_norm_rope_cache(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -124,17 +126,35 @@ def _fused_torch(
     v_scale: Optional[torch.Tensor] = None,
     rotary_dim: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm + RoPE of q and k (in place) and k/v paged-cache write, fused.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``. Strided views are fine (e.g. from
+            :func:`split_qkv`) as long as the last dim is contiguous.
+        q_norm_weight, k_norm_weight: ``[D]`` RMSNorm weights; ``eps`` their epsilon.
+        positions: ``[T]`` int64 positions; ``cos_sin_cache``: ``[max_pos, rotary_dim]`` =
+            ``cat(cos, sin)``; ``is_neox``: NeoX vs GPT-J pairing; ``rotary_dim`` defaults to D.
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` (NHD), any strides.
+        slot_mapping: ``[T]`` int64; negative = padding (q/k still updated, cache not).
+        kv_cache_dtype, k_scale, v_scale: as in :func:`atom.ops.kv_cache.reshape_and_cache`.
+
+    Returns:
+        ``(q, k)``: the input tensors, now normed and rotated.
+    """
     rotary_dim, _ = _check(
         q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, key_cache, value_cache,
         slot_mapping, kv_cache_dtype, k_scale, v_scale, rotary_dim,
     )
-    qn = _rms_norm_torch(q, q_norm_weight, eps)
-    kn = _rms_norm_torch(k, k_norm_weight, eps)
-    _rope_torch(positions, qn, kn, cos_sin_cache, q.shape[2], rotary_dim, is_neox)
-    _cache_torch(kn, v, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    qn = RMS_NORM.reference(q, q_norm_weight, eps)
+    kn = RMS_NORM.reference(k, k_norm_weight, eps)
+    ROTARY_EMBEDDING.reference(positions, qn, kn, cos_sin_cache, q.shape[2], rotary_dim, is_neox)
+    RESHAPE_AND_CACHE.reference(kn, v, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     q.copy_(qn)
     k.copy_(kn)
     return q, k
+
+
+FUSED_QK_NORM_ROPE_CACHE = fused_qk_norm_rope_cache
 
 
 # -- Triton: one kernel ------------------------------------------------------------------------
@@ -156,6 +176,7 @@ def _fused_triton_supports(
     return last_dim_contiguous(q, k, v, q_norm_weight, k_norm_weight, cos_sin_cache, key_cache, value_cache)
 
 
+@fused_qk_norm_rope_cache.triton(supports=_fused_triton_supports)
 def _fused_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -174,7 +195,7 @@ def _fused_triton(
     v_scale: Optional[torch.Tensor] = None,
     rotary_dim: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops import _triton_qk as kernels
+    from atom.ops import fused_qk_norm_rope_cache_triton as kernels
 
     rotary_dim, fp8 = _check(
         q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, key_cache, value_cache,
@@ -209,10 +230,6 @@ def _fused_aiter_supports(
     rotary_dim: Optional[int] = None,
 ) -> Optional[str]:
     """The first reason one of the three AITER steps cannot take these arguments."""
-    from atom.ops.kv_cache import RESHAPE_AND_CACHE
-    from atom.ops.rmsnorm import RMS_NORM
-    from atom.ops.rotary import ROTARY_EMBEDDING
-
     d = q.shape[-1]
     rows = q[:0].reshape(0, d)  # shape/dtype stand-in: the norm runs on contiguous rows
     return (
@@ -227,6 +244,7 @@ def _fused_aiter_supports(
     )
 
 
+@fused_qk_norm_rope_cache.aiter(supports=_fused_aiter_supports)
 def _fused_aiter(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -245,10 +263,6 @@ def _fused_aiter(
     v_scale: Optional[torch.Tensor] = None,
     rotary_dim: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops.kv_cache import RESHAPE_AND_CACHE
-    from atom.ops.rmsnorm import RMS_NORM
-    from atom.ops.rotary import ROTARY_EMBEDDING
-
     rotary_dim, _ = _check(
         q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, key_cache, value_cache,
         slot_mapping, kv_cache_dtype, k_scale, v_scale, rotary_dim,
@@ -259,55 +273,3 @@ def _fused_aiter(
     ROTARY_EMBEDDING.run("aiter", positions, q, k, cos_sin_cache, d, rotary_dim, is_neox)
     RESHAPE_AND_CACHE.run("aiter", k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     return q, k
-
-
-FUSED_QK_NORM_ROPE_CACHE = register(
-    Op(
-        "fused_qk_norm_rope_cache",
-        torch_impl=_fused_torch,
-        triton_impl=_fused_triton,
-        aiter_impl=_fused_aiter,
-        triton_supports=_fused_triton_supports,
-        aiter_supports=_fused_aiter_supports,
-        doc="per-head RMSNorm(q, k) + RoPE + paged KV-cache write (fp8 optional), one kernel",
-    )
-)
-
-
-def fused_qk_norm_rope_cache(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: float,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-    rotary_dim: Optional[int] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm + RoPE of q and k (in place) and k/v paged-cache write, fused.
-
-    Args:
-        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``. Strided views are fine (e.g. from
-            :func:`split_qkv`) as long as the last dim is contiguous.
-        q_norm_weight, k_norm_weight: ``[D]`` RMSNorm weights; ``eps`` their epsilon.
-        positions: ``[T]`` int64 positions; ``cos_sin_cache``: ``[max_pos, rotary_dim]`` =
-            ``cat(cos, sin)``; ``is_neox``: NeoX vs GPT-J pairing; ``rotary_dim`` defaults to D.
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` (NHD), any strides.
-        slot_mapping: ``[T]`` int64; negative = padding (q/k still updated, cache not).
-        kv_cache_dtype, k_scale, v_scale: as in :func:`atom.ops.kv_cache.reshape_and_cache`.
-
-    Returns:
-        ``(q, k)``: the input tensors, now normed and rotated.
-    """
-    return FUSED_QK_NORM_ROPE_CACHE(
-        q, k, v, q_norm_weight, k_norm_weight, eps, positions, cos_sin_cache, is_neox,
-        key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, rotary_dim,
-    )

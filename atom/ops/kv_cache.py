@@ -29,7 +29,7 @@ from atom.ops._common import (
     kv_cache_is_fp8,
     last_dim_contiguous,
 )
-from atom.ops._dispatch import Op, register
+from atom.ops._dispatch import declare
 
 __all__ = ["reshape_and_cache", "RESHAPE_AND_CACHE"]
 
@@ -78,90 +78,8 @@ def cache_reference_(
     cache[slots // block_size, slots % block_size] = rows
 
 
-# -- torch reference ------------------------------------------------------------------------------
-def _cache_torch(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> None:
-    fp8 = _check(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
-    cache_reference_(key, key_cache, slot_mapping, k_scale if fp8 else None)
-    cache_reference_(value, value_cache, slot_mapping, v_scale if fp8 else None)
-
-
-# -- Triton -----------------------------------------------------------------------------------
-def _cache_triton_supports(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> Optional[str]:
-    return last_dim_contiguous(key, value, key_cache, value_cache)
-
-
-def _cache_triton(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> None:
-    from atom.ops import _triton_kv_cache as kernels
-
-    fp8 = _check(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
-    kernels.reshape_and_cache_launch(
-        key, value, key_cache, value_cache, slot_mapping, fp8, k_scale, v_scale
-    )
-
-
-# -- AITER (ROCm) ---------------------------------------------------------------------------
-def _cache_aiter(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> None:
-    import aiter
-
-    _check(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
-    # aiter.reshape_and_cache expects its own x-packed 5-D layout; reshape_and_cache_flash is
-    # the NHD one. It takes scale tensors even for "auto" (unused there).
-    one = torch.ones(1, dtype=torch.float32, device=key.device)
-    aiter.reshape_and_cache_flash(
-        key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-        one if k_scale is None else k_scale, one if v_scale is None else v_scale,
-    )
-
-
-RESHAPE_AND_CACHE = register(
-    Op(
-        "reshape_and_cache",
-        torch_impl=_cache_torch,
-        triton_impl=_cache_triton,
-        aiter_impl=_cache_aiter,
-        triton_supports=_cache_triton_supports,
-        aiter_supports=_cache_triton_supports,
-        doc="write key/value tokens into the paged NHD KV cache (fp8 optional)",
-    )
-)
-
-
+# -- the op, declared by its torch reference ---------------------------------------------------
+@declare("reshape_and_cache", doc="write key/value tokens into the paged NHD KV cache (fp8 optional)")
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -183,4 +101,58 @@ def reshape_and_cache(
         kv_cache_dtype: ``"auto"`` or ``"fp8"`` / ``"fp8_e4m3"`` (float8_e4m3fn caches).
         k_scale, v_scale: per-tensor float32 scales (one element), required for fp8.
     """
-    RESHAPE_AND_CACHE(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    fp8 = _check(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    cache_reference_(key, key_cache, slot_mapping, k_scale if fp8 else None)
+    cache_reference_(value, value_cache, slot_mapping, v_scale if fp8 else None)
+
+
+RESHAPE_AND_CACHE = reshape_and_cache
+
+
+# -- Triton -----------------------------------------------------------------------------------
+def _cache_strides_supported(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, *args: object, **kwargs: object) -> Optional[str]:
+    return last_dim_contiguous(key, value, key_cache, value_cache)
+
+
+@reshape_and_cache.triton(supports=_cache_strides_supported)
+def _cache_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> None:
+    from atom.ops import kv_cache_triton as kernels
+
+    fp8 = _check(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    kernels.reshape_and_cache_launch(
+        key, value, key_cache, value_cache, slot_mapping, fp8, k_scale, v_scale
+    )
+
+
+# -- AITER (ROCm) ---------------------------------------------------------------------------
+@reshape_and_cache.aiter(supports=_cache_strides_supported)
+def _cache_aiter(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> None:
+    import aiter
+
+    _check(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    # aiter.reshape_and_cache expects its own x-packed 5-D layout; reshape_and_cache_flash is
+    # the NHD one. It takes scale tensors even for "auto" (unused there).
+    one = torch.ones(1, dtype=torch.float32, device=key.device)
+    aiter.reshape_and_cache_flash(
+        key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+        one if k_scale is None else k_scale, one if v_scale is None else v_scale,
+    )

@@ -23,7 +23,8 @@ from typing import Optional, Union
 
 import torch
 
-from atom.ops._dispatch import Op, register
+from atom.ops._common import FLOAT_DTYPES
+from atom.ops._dispatch import declare
 
 __all__ = ["mla_write_latent_cache", "mla_decode", "mla_write_latent_cache_torch",
            "mla_decode_torch", "rope_torch", "warm_up_mla_decode"]
@@ -69,7 +70,8 @@ def _check_write(kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor
         raise ValueError(f"positions and slot_mapping must be [{t}]")
 
 
-def mla_write_latent_cache_torch(kv_c: torch.Tensor, k_pe: torch.Tensor,
+@declare("mla_write_latent_cache", doc="MLA: RoPE on k_pe and write [c_kv | k_pe] into the paged latent cache.")
+def mla_write_latent_cache(kv_c: torch.Tensor, k_pe: torch.Tensor,
                                  positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                                  latent_cache: torch.Tensor, slot_mapping: torch.Tensor,
                                  is_neox: bool, kv_scale: Optional[torch.Tensor] = None) -> None:
@@ -96,6 +98,9 @@ def mla_write_latent_cache_torch(kv_c: torch.Tensor, k_pe: torch.Tensor,
     latent_cache[slots // block_size, slots % block_size] = row.to(latent_cache.dtype)
 
 
+mla_write_latent_cache_torch = mla_write_latent_cache.reference
+
+
 def _check_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                   block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
     if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
@@ -108,7 +113,8 @@ def _check_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.
         raise ValueError("one sequence per query token: seq_lens [T] and block_table [T, blocks]")
 
 
-def mla_decode_torch(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
+@declare("mla_decode", doc="MLA absorbed decode over the paged latent cache (split-KV in Triton).")
+def mla_decode(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
                      latent_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, *,
                      kv_scale: Optional[torch.Tensor] = None,
@@ -136,6 +142,9 @@ def mla_decode_torch(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
     return out
 
 
+mla_decode_torch = mla_decode.reference
+
+
 # -- Triton ------------------------------------------------------------------------------------
 
 
@@ -156,6 +165,7 @@ def _write_triton_supports(kv_c: torch.Tensor, k_pe: torch.Tensor, positions: to
     return None
 
 
+@mla_write_latent_cache.triton(supports=_write_triton_supports)
 def _write_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, latent_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, is_neox: bool,
@@ -167,19 +177,18 @@ def _write_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tenso
                            is_neox, kv_scale)
 
 
-def _decode_triton_supports(q_nope: torch.Tensor, q_pe: torch.Tensor,
+def _decode_triton_supports(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
                             latent_cache: torch.Tensor, *args, out=None,
                             **kwargs) -> Optional[str]:
-    if q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"query dtype {q_nope.dtype}"
-    if latent_cache.dtype != q_nope.dtype and latent_cache.dtype != _FP8:
-        return f"latent cache dtype {latent_cache.dtype} with query dtype {q_nope.dtype}"
-    for t in (q_nope, q_pe, latent_cache, out):
+    if latent_cache.dtype != q_nope_absorbed.dtype and latent_cache.dtype != _FP8:
+        return f"latent cache dtype {latent_cache.dtype} with query dtype {q_nope_absorbed.dtype}"
+    for t in (q_nope_absorbed, q_pe, latent_cache, out):
         if t is not None and t.stride(-1) != 1:
             return "unit-stride last dims needed"
     return None
 
 
+@mla_decode.triton(supports=_decode_triton_supports, dtypes=FLOAT_DTYPES)
 def _decode_triton(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
                    latent_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, scale: float, *,
@@ -195,12 +204,16 @@ def _decode_triton(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
 # -- AITER (ROCm) ------------------------------------------------------------------------------
 
 
-def _write_aiter_supports(kv_c: torch.Tensor, *args, kv_scale=None, **kwargs) -> Optional[str]:
+def _write_aiter_supports(kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, latent_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, is_neox: bool,
+                          kv_scale: Optional[torch.Tensor] = None) -> Optional[str]:
     if kv_scale is not None:
         return "fp8 latent caches are not covered by atom's aiter binding"
     return None
 
 
+@mla_write_latent_cache.aiter(supports=_write_aiter_supports)
 def _write_aiter(kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor, latent_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, is_neox: bool,
@@ -214,16 +227,15 @@ def _write_aiter(kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor
     aiter.concat_and_cache_mla(kv_c, k_pe_r, latent_cache, slot_mapping, "auto", one)
 
 
-def _decode_aiter_supports(q_nope: torch.Tensor, q_pe: torch.Tensor,
+def _decode_aiter_supports(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
                            latent_cache: torch.Tensor, *args, kv_scale=None,
                            **kwargs) -> Optional[str]:
     if kv_scale is not None or latent_cache.dtype == _FP8:
         return "fp8 latent caches are not covered by atom's aiter binding"
-    if q_nope.dtype != torch.bfloat16:
-        return f"aiter mla_decode_fwd needs bf16, got {q_nope.dtype}"
     return None
 
 
+@mla_decode.aiter(supports=_decode_aiter_supports, dtypes=(torch.bfloat16,))
 def _decode_aiter(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
                   latent_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float, *, kv_scale=None,
@@ -254,27 +266,6 @@ def _decode_aiter(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor,
     mla_decode_fwd(q, latent_cache.view(-1, 1, 1, width), out, qo_indptr, kv_indptr, kv_indices,
                    last_page, 1, sm_scale=scale)
     return out
-
-
-mla_write_latent_cache = register(Op(
-    name="mla_write_latent_cache",
-    torch_impl=mla_write_latent_cache_torch,
-    triton_impl=_write_triton,
-    aiter_impl=_write_aiter,
-    triton_supports=_write_triton_supports,
-    aiter_supports=_write_aiter_supports,
-    doc="MLA: RoPE on k_pe and write [c_kv | k_pe] into the paged latent cache.",
-))
-
-mla_decode = register(Op(
-    name="mla_decode",
-    torch_impl=mla_decode_torch,
-    triton_impl=_decode_triton,
-    aiter_impl=_decode_aiter,
-    triton_supports=_decode_triton_supports,
-    aiter_supports=_decode_aiter_supports,
-    doc="MLA absorbed decode over the paged latent cache (split-KV in Triton).",
-))
 
 
 def warm_up_mla_decode(num_heads: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,

@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from atom import envs
+from atom.ops._common import next_pow2
 from atom.ops._dispatch import triton_interpreting
-from atom.ops.attention_triton import (WARM_UP_SPLITS, choose_num_splits, dot_flags, next_pow2,
-                                       split_kv_reduce)
-from atom.ops.moe_triton import fp8_round_flag, to_fp8
+from atom.ops.attention_triton import WARM_UP_SPLITS, choose_num_splits, split_kv_reduce
+from atom.ops.common_triton import dot_flags, exact_fp8_cast, to_fp8_e4m3
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _write_latent_kernel(
     c = tl.load(kv_c_ptr + t.to(tl.int64) * stride_ct + offs_r, mask=rmask, other=0.0).to(tl.float32)
     c = c * inv
     if FP8_OUT:
-        tl.store(dst + offs_r, to_fp8(c, FP8_ROUND), mask=rmask)
+        tl.store(dst + offs_r, to_fp8_e4m3(c, FP8_ROUND), mask=rmask)
     else:
         tl.store(dst + offs_r, c.to(cache_ptr.dtype.element_ty), mask=rmask)
 
@@ -64,8 +64,8 @@ def _write_latent_kernel(
     o1 = (x1 * cos - x2 * sin) * inv
     o2 = (x2 * cos + x1 * sin) * inv
     if FP8_OUT:
-        tl.store(dst + RANK + i1, to_fp8(o1, FP8_ROUND))
-        tl.store(dst + RANK + i2, to_fp8(o2, FP8_ROUND))
+        tl.store(dst + RANK + i1, to_fp8_e4m3(o1, FP8_ROUND))
+        tl.store(dst + RANK + i2, to_fp8_e4m3(o2, FP8_ROUND))
     else:
         tl.store(dst + RANK + i1, o1.to(cache_ptr.dtype.element_ty))
         tl.store(dst + RANK + i2, o2.to(cache_ptr.dtype.element_ty))
@@ -90,7 +90,7 @@ def write_latent_cache_fwd(kv_c: torch.Tensor, k_pe: torch.Tensor, positions: to
         latent_cache.stride(1),
         RANK=rank, BLOCK_R=next_pow2(rank), HALF_P=rope // 2,
         PAGE=latent_cache.shape[1], IS_NEOX=bool(is_neox), HAS_SCALE=has_scale, FP8_OUT=fp8,
-        FP8_ROUND=fp8_round_flag(), num_warps=4 if rank >= 256 else 1,
+        FP8_ROUND=exact_fp8_cast(), num_warps=4 if rank >= 256 else 1,
     )
 
 

@@ -1,5 +1,4 @@
-"""Mixture-of-experts ops: routing (softmax top-k, DeepSeek grouped sigmoid top-k) and the fused
-expert MLP.
+"""The fused expert MLP of mixture-of-experts layers (routing: :mod:`atom.ops.moe_routing`).
 
 ``fused_moe(x, w13, w2, topk_weights, topk_ids)`` computes, for every token ``t``::
 
@@ -27,8 +26,6 @@ fp8 block-scaled weights (``block_shape = [block_n, block_k]``, DeepSeek-V3 / Qw
 GEMM are quantised dynamically per token and group of ``block_k`` channels: ``s = max|x_g| /
 448``, ``q = fp8(x_g / s)``. The second GEMM's input (the silu-and-mul output) is quantised
 from float32 the same way.
-
-Routing returns ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``.
 """
 
 from __future__ import annotations
@@ -37,155 +34,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from atom.ops._dispatch import Op, register
+from atom.ops._common import FLOAT_DTYPES
+from atom.ops._dispatch import declare
 
-__all__ = [
-    "topk_softmax", "grouped_topk_sigmoid", "fused_moe", "MOE_ACTIVATIONS",
-    "topk_softmax_torch", "grouped_topk_sigmoid_torch", "fused_moe_torch",
-    "per_token_group_quant_fp8_torch", "dequant_block_fp8_torch",
-]
+__all__ = ["fused_moe", "MOE_ACTIVATIONS", "fused_moe_torch", "per_token_group_quant_fp8_torch",
+           "dequant_block_fp8_torch", "warm_up_fused_moe"]
 
 FP8_MAX = 448.0
 _FP8 = torch.float8_e4m3fn
 
 #: Gated activations of the expert MLP (``activation=``): SwiGLU, and GPT-OSS's clamped SwiGLU.
 MOE_ACTIVATIONS = ("silu", "swigluoai")
-
-
-# -- routing -----------------------------------------------------------------------------------
-
-
-def topk_softmax_torch(router_logits: torch.Tensor, top_k: int,
-                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts (float32), then the ``top_k`` largest; optionally renormalised to sum 1."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    w, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w, ids.to(torch.int32)
-
-
-def grouped_topk_sigmoid_torch(router_logits: torch.Tensor, correction_bias: torch.Tensor,
-                               top_k: int, num_groups: int, topk_groups: int,
-                               routed_scaling_factor: float,
-                               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 routing.
-
-    ``score = sigmoid(logits)``; groups are ranked by the sum of their two best ``score +
-    bias``; within the ``topk_groups`` best groups the ``top_k`` experts with the largest
-    ``score + bias`` are chosen; their weights are the scores *without* bias, renormalised to
-    sum 1 when ``renormalize``, times ``routed_scaling_factor``.
-    """
-    num_tokens, num_experts = router_logits.shape
-    _check_groups(num_experts, num_groups, topk_groups, top_k)
-    score = torch.sigmoid(router_logits.float())
-    choice = score + correction_bias.float()[None, :]
-    grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
-    group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
-    top_groups = group_score.topk(topk_groups, dim=-1).indices
-    group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_groups, True)
-    expert_mask = group_mask.repeat_interleave(num_experts // num_groups, dim=1)
-    ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1).indices
-    w = score.gather(1, ids)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w * routed_scaling_factor, ids.to(torch.int32)
-
-
-def _check_groups(num_experts: int, num_groups: int, topk_groups: int, top_k: int) -> None:
-    if num_experts % num_groups:
-        raise ValueError(f"num_experts {num_experts} is not a multiple of num_groups {num_groups}")
-    if num_experts // num_groups < 2:
-        raise ValueError("grouped top-k ranks groups by their two best experts: groups of >= 2")
-    if not 1 <= topk_groups <= num_groups:
-        raise ValueError(f"topk_groups {topk_groups} not in [1, {num_groups}]")
-    if top_k > topk_groups * (num_experts // num_groups):
-        raise ValueError(f"top_k {top_k} exceeds the experts of {topk_groups} groups")
-
-
-def _routing_triton_supports(router_logits: torch.Tensor, *args, **kwargs) -> Optional[str]:
-    if router_logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"router_logits dtype {router_logits.dtype}"
-    if router_logits.stride(-1) != 1:
-        return "router_logits must have a unit-stride expert dimension"
-    if router_logits.shape[-1] > 4096:
-        return f"{router_logits.shape[-1]} experts (> 4096) in one tile"
-    return None
-
-
-def _topk_softmax_triton(router_logits: torch.Tensor, top_k: int,
-                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops.moe_triton import topk_softmax_fwd
-
-    return topk_softmax_fwd(router_logits, top_k, renormalize)
-
-
-def _grouped_triton_supports(router_logits: torch.Tensor, correction_bias: torch.Tensor,
-                             top_k: int, num_groups: int, topk_groups: int,
-                             *args, **kwargs) -> Optional[str]:
-    why = _routing_triton_supports(router_logits)
-    if why:
-        return why
-    e = router_logits.shape[-1]
-    if e & (e - 1) or num_groups & (num_groups - 1):
-        return f"num_experts ({e}) and num_groups ({num_groups}) must be powers of two"
-    return None
-
-
-def _grouped_topk_sigmoid_triton(router_logits: torch.Tensor, correction_bias: torch.Tensor,
-                                 top_k: int, num_groups: int, topk_groups: int,
-                                 routed_scaling_factor: float,
-                                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_groups(router_logits.shape[1], num_groups, topk_groups, top_k)
-    from atom.ops.moe_triton import grouped_topk_sigmoid_fwd
-
-    return grouped_topk_sigmoid_fwd(router_logits, correction_bias, top_k, num_groups,
-                                    topk_groups, routed_scaling_factor, renormalize)
-
-
-def _topk_softmax_aiter(router_logits: torch.Tensor, top_k: int,
-                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    import aiter  # noqa: deferred: ROCm only
-
-    t = router_logits.shape[0]
-    w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
-    token_expert = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
-    aiter.topk_softmax(w, ids, token_expert, router_logits, renormalize)
-    return w, ids
-
-
-def _grouped_topk_sigmoid_aiter(router_logits: torch.Tensor, correction_bias: torch.Tensor,
-                                top_k: int, num_groups: int, topk_groups: int,
-                                routed_scaling_factor: float,
-                                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    import aiter  # noqa: deferred: ROCm only
-
-    t = router_logits.shape[0]
-    w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
-    aiter.biased_grouped_topk(router_logits, correction_bias.to(router_logits.dtype), w, ids,
-                              num_groups, topk_groups, renormalize, routed_scaling_factor)
-    return w, ids
-
-
-topk_softmax = register(Op(
-    name="topk_softmax",
-    torch_impl=topk_softmax_torch,
-    triton_impl=_topk_softmax_triton,
-    aiter_impl=_topk_softmax_aiter,
-    triton_supports=_routing_triton_supports,
-    doc="MoE routing: softmax over experts, top-k, optional renormalisation.",
-))
-
-grouped_topk_sigmoid = register(Op(
-    name="grouped_topk_sigmoid",
-    torch_impl=grouped_topk_sigmoid_torch,
-    triton_impl=_grouped_topk_sigmoid_triton,
-    aiter_impl=_grouped_topk_sigmoid_aiter,
-    triton_supports=_grouped_triton_supports,
-    doc="DeepSeek-V3 routing: sigmoid scores, bias-corrected group-limited top-k.",
-))
 
 
 # -- fused MoE ---------------------------------------------------------------------------------
@@ -281,7 +140,11 @@ def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
 
 
-def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+@declare("fused_moe",
+         doc="Fused MoE expert MLP (gate/up + SiLU-and-mul or GPT-OSS's clamped SwiGLU + down, "
+             "optional expert biases, routing-weighted sum); bf16 and fp8 block-scaled weights; "
+             "expert parallelism via expert_map.")
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                     expert_map: Optional[torch.Tensor] = None,
                     w13_scale: Optional[torch.Tensor] = None,
@@ -293,7 +156,9 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     activation: str = "silu",
                     swiglu_alpha: float = 1.702,
                     swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
-    """Reference fused MoE (float32 math, one dense matmul pair per expert that has tokens).
+    """Fused MoE expert MLP of ``x [tokens, hidden]`` routed by ``topk_weights`` / ``topk_ids``
+    (see the module docstring). The reference: float32 math, one dense matmul pair per expert
+    that has tokens.
 
     Returns ``[tokens, hidden]`` in ``x``'s dtype (written into ``out`` when given).
     """
@@ -330,13 +195,13 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+fused_moe_torch = fused_moe.reference
+
+
 def _fused_moe_triton_supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                               expert_map=None, w13_scale=None, w2_scale=None,
                                block_shape=None, out=None, w13_bias=None, w2_bias=None,
-                               **activation) -> Optional[str]:
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"x dtype {x.dtype}"
+                               **kwargs) -> Optional[str]:
     for name, t in (("x", x), ("w13", w13), ("w2", w2), ("out", out), ("w13_bias", w13_bias),
                     ("w2_bias", w2_bias)):
         if t is not None and t.stride(-1) != 1:
@@ -348,6 +213,7 @@ def _fused_moe_triton_supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     return None
 
 
+@fused_moe.triton(supports=_fused_moe_triton_supports, dtypes=FLOAT_DTYPES)
 def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       **kwargs) -> torch.Tensor:
@@ -369,11 +235,10 @@ def _fused_moe_aiter_supports(x: torch.Tensor, w13: torch.Tensor, *args, expert_
         return "expert_map (expert parallelism) is not covered by atom's aiter binding"
     if block_shape is not None:
         return "fp8 block-scaled weights are not covered by atom's aiter binding (aiter wants its own scale layout)"
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        return f"aiter fused_moe needs fp16/bf16, got {x.dtype}"
     return None
 
 
+@fused_moe.aiter(supports=_fused_moe_aiter_supports, dtypes=(torch.float16, torch.bfloat16))
 def _fused_moe_aiter(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, **kwargs) -> torch.Tensor:
     from aiter.fused_moe import fused_moe as aiter_fused_moe  # deferred: ROCm only
@@ -384,19 +249,6 @@ def _fused_moe_aiter(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return res
     out.copy_(res)
     return out
-
-
-fused_moe = register(Op(
-    name="fused_moe",
-    torch_impl=fused_moe_torch,
-    triton_impl=_fused_moe_triton,
-    aiter_impl=_fused_moe_aiter,
-    triton_supports=_fused_moe_triton_supports,
-    aiter_supports=_fused_moe_aiter_supports,
-    doc="Fused MoE expert MLP (gate/up + SiLU-and-mul or GPT-OSS's clamped SwiGLU + down, "
-        "optional expert biases, routing-weighted sum); bf16 and fp8 block-scaled weights; "
-        "expert parallelism via expert_map.",
-))
 
 
 def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, *,

@@ -1,4 +1,4 @@
-"""Triton kernels for MoE routing and the fused expert MLP (imported lazily by :mod:`atom.ops.moe`).
+"""Triton kernels for the fused expert MLP (imported lazily by :mod:`atom.ops.moe`).
 
 fused_moe pipeline (one launch each, no host synchronisation):
 
@@ -28,186 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.ops._common import next_pow2
 from atom.ops._dispatch import triton_interpreting
+from atom.ops.common_triton import dot_flags, exact_fp8_cast, to_fp8_e4m3
 
 FP8_MAX = 448.0
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def fp8_round_flag() -> bool:
-    """Kernels must round onto the e4m3 grid themselves before the fp8 cast.
-
-    Triton's CPU interpreter (3.9) converts fp32 -> e4m3 by truncating and loses the carry
-    into the exponent (124.1 -> 64, not 128); GPUs convert with round-to-nearest-even in one
-    instruction, so the explicit rounding is compiled in only under the interpreter.
-    """
-    return triton_interpreting()
-
-
-def dot_flags(dtype: torch.dtype) -> tuple[bool, Optional[str]]:
-    """(UPCAST, PREC): see :func:`atom.ops.attention_triton.dot_flags` (kept local so MoE does
-    not import the attention module)."""
-    upcast = triton_interpreting() and dtype == torch.bfloat16
-    if dtype != torch.float32:
-        return upcast, None
-    return upcast, ("ieee" if getattr(torch.version, "hip", None) else "tf32x3")
-
-
-@triton.jit
-def to_fp8(y, ROUND: tl.constexpr):
-    """fp32 ``y`` within +-448 -> float8e4nv, round to nearest even."""
-    if ROUND:
-        bits = y.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) - 127
-        # spacing of e4m3 values around |y|: 3 mantissa bits, subnormal below 2^-6
-        ulp = ((tl.maximum(exp - 3, -9) + 127) << 23).to(tl.float32, bitcast=True)
-        a = tl.abs(y) / ulp  # exact (power-of-two divisor), < 16
-        a = (a + 8388608.0) - 8388608.0  # fp32 add rounds to an integer, ties to even
-        y = tl.where(y < 0, -(a * ulp), a * ulp)
-    return y.to(tl.float8e4nv)
-
-
-# --------------------------------------------------------------------------------------------
-# routing
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_tokens, num_experts,
-                         stride_lt, stride_wt, stride_it,
-                         TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_k = tl.arange(0, BLOCK_K)
-    tmask = offs_t < num_tokens
-    emask = offs_e < num_experts
-    x = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :],
-                mask=tmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
-    x = tl.where(emask[None, :], x, float("-inf"))
-    p = tl.exp(x - tl.max(x, axis=1)[:, None])
-    p = p / tl.sum(p, axis=1)[:, None]
-    # NaN scores (garbage hidden states: vLLM's warm-up passes before CUDA-graph capture get
-    # uninitialised all-reduce outputs) rank lowest, so the chosen ids stay valid expert ids
-    sel = tl.where(emask[None, :], tl.where(p == p, p, -1.0), -3.0)
-    w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    for k in tl.static_range(TOPK):
-        best = tl.max(sel, axis=1)
-        # lowest expert index among equal maxima: deterministic tie-break
-        idx = tl.min(tl.where(sel == best[:, None], offs_e[None, :], BLOCK_E), axis=1)
-        idx = tl.minimum(idx, num_experts - 1)
-        w = tl.where(offs_k[None, :] == k, best[:, None], w)
-        ids = tl.where(offs_k[None, :] == k, idx[:, None], ids)
-        sel = tl.where(offs_e[None, :] == idx[:, None], -2.0, sel)
-    if RENORM:
-        w = w / tl.sum(w, axis=1)[:, None]
-    kmask = tmask[:, None] & (offs_k[None, :] < TOPK)
-    tl.store(w_ptr + offs_t[:, None].to(tl.int64) * stride_wt + offs_k[None, :], w, mask=kmask)
-    tl.store(ids_ptr + offs_t[:, None].to(tl.int64) * stride_it + offs_k[None, :], ids, mask=kmask)
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _grouped_topk_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_tokens, scaling,
-                                 stride_lt, stride_wt, stride_it,
-                                 TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 NUM_EXPERTS: tl.constexpr, GROUPS: tl.constexpr,
-                                 GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                                 BLOCK_T: tl.constexpr, RENORM: tl.constexpr):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_e = tl.arange(0, NUM_EXPERTS)
-    offs_k = tl.arange(0, BLOCK_K)
-    tmask = offs_t < num_tokens
-    x = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :],
-                mask=tmask[:, None], other=0.0).to(tl.float32)
-    score = tl.sigmoid(x)
-    choice = score + tl.load(bias_ptr + offs_e).to(tl.float32)[None, :]
-
-    # group score = sum of the two best (score + bias) of the group
-    g = tl.reshape(choice, (BLOCK_T, GROUPS, GROUP_SIZE))
-    j = tl.arange(0, GROUP_SIZE)[None, None, :]
-    top1 = tl.max(g, axis=2)
-    first = tl.min(tl.where(g == top1[:, :, None], j, GROUP_SIZE), axis=2)
-    top2 = tl.max(tl.where(j == first[:, :, None], float("-inf"), g), axis=2)
-    gscore = top1 + top2
-    offs_g = tl.arange(0, GROUPS)
-    gsel = tl.zeros([BLOCK_T, GROUPS], dtype=tl.int32)
-    for _ in tl.static_range(TOPK_GROUPS):
-        best = tl.max(gscore, axis=1)
-        gi = tl.min(tl.where(gscore == best[:, None], offs_g[None, :], GROUPS), axis=1)
-        hit = offs_g[None, :] == gi[:, None]
-        gsel = tl.where(hit, 1, gsel)
-        gscore = tl.where(hit, float("-inf"), gscore)
-    allowed = tl.reshape(tl.broadcast_to(gsel[:, :, None], (BLOCK_T, GROUPS, GROUP_SIZE)),
-                         (BLOCK_T, NUM_EXPERTS))
-    sel = tl.where(allowed != 0, choice, float("-inf"))
-
-    w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    for k in tl.static_range(TOPK):
-        best = tl.max(sel, axis=1)
-        idx = tl.min(tl.where(sel == best[:, None], offs_e[None, :], NUM_EXPERTS), axis=1)
-        # NaN scores (garbage hidden states in vLLM's pre-capture warm-up) match no maximum:
-        # keep the id a valid expert
-        idx = tl.minimum(idx, NUM_EXPERTS - 1)
-        hit = offs_e[None, :] == idx[:, None]
-        wk = tl.sum(tl.where(hit, score, 0.0), axis=1)  # weight: the score without bias
-        w = tl.where(offs_k[None, :] == k, wk[:, None], w)
-        ids = tl.where(offs_k[None, :] == k, idx[:, None], ids)
-        sel = tl.where(hit, float("-inf"), sel)
-    if RENORM:
-        w = w / tl.sum(w, axis=1)[:, None]
-    w = w * scaling
-    kmask = tmask[:, None] & (offs_k[None, :] < TOPK)
-    tl.store(w_ptr + offs_t[:, None].to(tl.int64) * stride_wt + offs_k[None, :], w, mask=kmask)
-    tl.store(ids_ptr + offs_t[:, None].to(tl.int64) * stride_it + offs_k[None, :], ids, mask=kmask)
-
-
-def _routing_block_t(num_experts: int) -> int:
-    # about 4K logits per program
-    return max(1, min(64, 4096 // next_pow2(num_experts)))
-
-
-def topk_softmax_fwd(router_logits: torch.Tensor, top_k: int,
-                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`atom.ops.moe.topk_softmax`."""
-    num_tokens, num_experts = router_logits.shape
-    w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
-    if num_tokens == 0:
-        return w, ids
-    block_t = _routing_block_t(num_experts)
-    _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
-        router_logits, w, ids, num_tokens, num_experts,
-        router_logits.stride(0), w.stride(0), ids.stride(0),
-        TOPK=top_k, BLOCK_K=next_pow2(top_k), BLOCK_T=block_t, BLOCK_E=next_pow2(num_experts),
-        RENORM=bool(renormalize), num_warps=4,
-    )
-    return w, ids
-
-
-def grouped_topk_sigmoid_fwd(router_logits: torch.Tensor, correction_bias: torch.Tensor,
-                             top_k: int, num_groups: int, topk_groups: int,
-                             routed_scaling_factor: float,
-                             renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`atom.ops.moe.grouped_topk_sigmoid`."""
-    num_tokens, num_experts = router_logits.shape
-    w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
-    if num_tokens == 0:
-        return w, ids
-    block_t = _routing_block_t(num_experts)
-    _grouped_topk_sigmoid_kernel[(triton.cdiv(num_tokens, block_t),)](
-        router_logits, correction_bias, w, ids, num_tokens, float(routed_scaling_factor),
-        router_logits.stride(0), w.stride(0), ids.stride(0),
-        TOPK=top_k, BLOCK_K=next_pow2(top_k), NUM_EXPERTS=num_experts, GROUPS=num_groups,
-        GROUP_SIZE=num_experts // num_groups, TOPK_GROUPS=topk_groups, BLOCK_T=block_t,
-        RENORM=bool(renormalize), num_warps=4,
-    )
-    return w, ids
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,7 +99,7 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, num_rows, num_cols, stride_xt, stri
     x = tl.load(x_ptr + r64 * stride_xt + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
     q = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
-    tl.store(q_ptr + r64 * stride_qt + offs[None, :], to_fp8(q, ROUND), mask=mask)
+    tl.store(q_ptr + r64 * stride_qt + offs[None, :], to_fp8_e4m3(q, ROUND), mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * stride_st + g, s, mask=rows < num_rows)
 
 
@@ -360,7 +185,7 @@ def _moe_gemm1_kernel(
         # this tile is exactly one activation group of the second GEMM: quantise it here
         s = tl.maximum(tl.max(tl.abs(tl.where(nmask[None, :], h, 0.0)), axis=1), 1e-10) / 448.0
         q = tl.minimum(tl.maximum(h / s[:, None], -448.0), 448.0)
-        tl.store(o_ptrs, to_fp8(q, ROUND), mask=nmask[None, :])
+        tl.store(o_ptrs, to_fp8_e4m3(q, ROUND), mask=nmask[None, :])
         tl.store(out_scale_ptr + offs_m.to(tl.int64) * stride_ost + pid_n, s)
     else:
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=nmask[None, :])
@@ -537,7 +362,7 @@ def group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
         block_r = max(1, min(16, 2048 // group))  # ~2K elements per program
         _group_quant_kernel[(triton.cdiv(rows, block_r), groups)](
             x, q, s, rows, cols, x.stride(0), q.stride(0), s.stride(0),
-            GROUP=group, BLOCK_R=block_r, ROUND=fp8_round_flag(), num_warps=4)
+            GROUP=group, BLOCK_R=block_r, ROUND=exact_fp8_cast(), num_warps=4)
     return q, s
 
 
@@ -619,7 +444,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w13_bias.stride(0) if w13_bias is not None else 0,
         float(swiglu_alpha) if swigluoai else 1.0, float(swiglu_limit) if clamp else 0.0,
         TOPK=top_k, BLOCK_M=bm, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        FP8=fp8, SCALE_BN=scale_bn, QUANT_OUT=quant_in_gemm1, ROUND=fp8_round_flag(),
+        FP8=fp8, SCALE_BN=scale_bn, QUANT_OUT=quant_in_gemm1, ROUND=exact_fp8_cast(),
         UPCAST=upcast, PREC=prec, HAS_BIAS=w13_bias is not None, SWIGLUOAI=swigluoai, CLAMP=clamp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

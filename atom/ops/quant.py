@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from atom.ops._common import FP8_AMAX_EPS, FP8_DTYPE, FP8_E4M3_MAX, check_float
-from atom.ops._dispatch import Op, register
+from atom.ops._dispatch import declare
 
 __all__ = ["per_token_quant_fp8", "per_block_quant_fp8", "PER_TOKEN_QUANT_FP8", "PER_BLOCK_QUANT_FP8"]
 
@@ -69,12 +69,22 @@ def _rows_view(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 # -- per token ------------------------------------------------------------------------------
-def _per_token_torch(
+@declare("per_token_quant_fp8", doc="dynamic per-token fp8 e4m3 quantisation")
+def per_token_quant_fp8(
     x: torch.Tensor, *, out: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row fp8 quantisation of ``x`` ``[..., K]``.
+
+    Returns:
+        ``(q, scales)``: ``q`` float8_e4m3fn like ``x``; ``scales`` float32 ``[..., 1]`` with
+        ``x ~= q * scales``. ``out`` / ``scales`` may be passed preallocated.
+    """
     _check(x, 1, out, scales)
     q, s = _quant_rows(x.float())
     return _finish(q, s, out, scales)
+
+
+PER_TOKEN_QUANT_FP8 = per_token_quant_fp8
 
 
 def _per_token_triton_supports(
@@ -87,10 +97,11 @@ def _per_token_triton_supports(
     return None
 
 
+@per_token_quant_fp8.triton(supports=_per_token_triton_supports)
 def _per_token_triton(
     x: torch.Tensor, *, out: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops import _triton_act_quant as kernels
+    from atom.ops import quant_triton as kernels
 
     scale_shape = _check(x, 1, out, scales)
     x2 = _rows_view(x)
@@ -103,6 +114,7 @@ def _per_token_triton(
     return out, scales
 
 
+@per_token_quant_fp8.aiter
 def _per_token_aiter(
     x: torch.Tensor, *, out: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,126 +125,12 @@ def _per_token_aiter(
     return _finish(q, s.view(scale_shape), out, scales)
 
 
-PER_TOKEN_QUANT_FP8 = register(
-    Op(
-        "per_token_quant_fp8",
-        torch_impl=_per_token_torch,
-        triton_impl=_per_token_triton,
-        aiter_impl=_per_token_aiter,
-        triton_supports=_per_token_triton_supports,
-        doc="dynamic per-token fp8 e4m3 quantisation",
-    )
-)
-
-
-def per_token_quant_fp8(
-    x: torch.Tensor, *, out: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row fp8 quantisation of ``x`` ``[..., K]``.
-
-    Returns:
-        ``(q, scales)``: ``q`` float8_e4m3fn like ``x``; ``scales`` float32 ``[..., 1]`` with
-        ``x ~= q * scales``. ``out`` / ``scales`` may be passed preallocated.
-    """
-    return PER_TOKEN_QUANT_FP8(x, out=out, scales=scales)
-
-
 # -- per 1 x block group ------------------------------------------------------------------------
 def _groups(x: torch.Tensor, block: int) -> int:
     return -(-x.shape[-1] // block)
 
 
-def _per_block_torch(
-    x: torch.Tensor,
-    block: int = 128,
-    *,
-    out: Optional[torch.Tensor] = None,
-    scales: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_block(block)
-    k = x.shape[-1] if x.dim() else 0
-    _check(x, _groups(x, block), out, scales)
-    g = _groups(x, block)
-    # Zero padding to whole groups leaves every group's amax unchanged.
-    xf = torch.nn.functional.pad(x.float(), (0, g * block - k)).unflatten(-1, (g, block))
-    q, s = _quant_rows(xf)
-    return _finish(q.flatten(-2)[..., :k], s.squeeze(-1), out, scales)
-
-
-def _per_block_triton_supports(
-    x: torch.Tensor,
-    block: int = 128,
-    *,
-    out: Optional[torch.Tensor] = None,
-    scales: Optional[torch.Tensor] = None,
-) -> Optional[str]:
-    if out is not None and _rows_view(out) is None:
-        return "out cannot be viewed as [rows, K] with a unit last stride"
-    if scales is not None and _rows_view(scales) is None:
-        return "scales cannot be viewed as [rows, groups] with a unit last stride"
-    return None
-
-
-def _per_block_triton(
-    x: torch.Tensor,
-    block: int = 128,
-    *,
-    out: Optional[torch.Tensor] = None,
-    scales: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from atom.ops import _triton_act_quant as kernels
-
-    _check_block(block)
-    scale_shape = _check(x, _groups(x, block), out, scales)
-    x2 = _rows_view(x)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous() if x2 is None else x2
-    if out is None:
-        out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    if scales is None:
-        scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
-    kernels.per_block_quant_launch(x2, _rows_view(out), _rows_view(scales), block)
-    return out, scales
-
-
-def _per_block_aiter_supports(
-    x: torch.Tensor,
-    block: int = 128,
-    *,
-    out: Optional[torch.Tensor] = None,
-    scales: Optional[torch.Tensor] = None,
-) -> Optional[str]:
-    if block != 128 or x.shape[-1] % 128:
-        return "aiter's group quant is 1x128 on a last dim divisible by 128"
-    return None
-
-
-def _per_block_aiter(
-    x: torch.Tensor,
-    block: int = 128,
-    *,
-    out: Optional[torch.Tensor] = None,
-    scales: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from aiter import QuantType, get_hip_quant
-
-    scale_shape = _check(x, _groups(x, block), out, scales)
-    q, s = get_hip_quant(QuantType.per_1x128)(x.contiguous(), quant_dtype=FP8_DTYPE)
-    return _finish(q.view(x.shape), s.reshape(scale_shape), out, scales)
-
-
-PER_BLOCK_QUANT_FP8 = register(
-    Op(
-        "per_block_quant_fp8",
-        torch_impl=_per_block_torch,
-        triton_impl=_per_block_triton,
-        aiter_impl=_per_block_aiter,
-        triton_supports=_per_block_triton_supports,
-        aiter_supports=_per_block_aiter_supports,
-        doc="dynamic per-1xblock-group fp8 e4m3 quantisation (DeepSeek 1x128)",
-    )
-)
-
-
+@declare("per_block_quant_fp8", doc="dynamic per-1xblock-group fp8 e4m3 quantisation (DeepSeek 1x128)")
 def per_block_quant_fp8(
     x: torch.Tensor,
     block: int = 128,
@@ -246,4 +144,66 @@ def per_block_quant_fp8(
         ``(q, scales)``: ``q`` float8_e4m3fn like ``x``; ``scales`` float32
         ``[..., ceil(K / block)]`` (row-major), ``x[..., j] ~= q[..., j] * scales[..., j // block]``.
     """
-    return PER_BLOCK_QUANT_FP8(x, block, out=out, scales=scales)
+    _check_block(block)
+    k = x.shape[-1] if x.dim() else 0
+    _check(x, _groups(x, block), out, scales)
+    g = _groups(x, block)
+    # Zero padding to whole groups leaves every group's amax unchanged.
+    xf = torch.nn.functional.pad(x.float(), (0, g * block - k)).unflatten(-1, (g, block))
+    q, s = _quant_rows(xf)
+    return _finish(q.flatten(-2)[..., :k], s.squeeze(-1), out, scales)
+
+
+PER_BLOCK_QUANT_FP8 = per_block_quant_fp8
+
+
+def _per_block_triton_supports(x: torch.Tensor, *args: object, out: Optional[torch.Tensor] = None,
+                               scales: Optional[torch.Tensor] = None, **kwargs: object) -> Optional[str]:
+    if out is not None and _rows_view(out) is None:
+        return "out cannot be viewed as [rows, K] with a unit last stride"
+    if scales is not None and _rows_view(scales) is None:
+        return "scales cannot be viewed as [rows, groups] with a unit last stride"
+    return None
+
+
+@per_block_quant_fp8.triton(supports=_per_block_triton_supports)
+def _per_block_triton(
+    x: torch.Tensor,
+    block: int = 128,
+    *,
+    out: Optional[torch.Tensor] = None,
+    scales: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from atom.ops import quant_triton as kernels
+
+    _check_block(block)
+    scale_shape = _check(x, _groups(x, block), out, scales)
+    x2 = _rows_view(x)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous() if x2 is None else x2
+    if out is None:
+        out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    if scales is None:
+        scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    kernels.per_block_quant_launch(x2, _rows_view(out), _rows_view(scales), block)
+    return out, scales
+
+
+def _per_block_aiter_supports(x: torch.Tensor, block: int = 128, **kwargs: object) -> Optional[str]:
+    if block != 128 or x.shape[-1] % 128:
+        return "aiter's group quant is 1x128 on a last dim divisible by 128"
+    return None
+
+
+@per_block_quant_fp8.aiter(supports=_per_block_aiter_supports)
+def _per_block_aiter(
+    x: torch.Tensor,
+    block: int = 128,
+    *,
+    out: Optional[torch.Tensor] = None,
+    scales: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from aiter import QuantType, get_hip_quant
+
+    scale_shape = _check(x, _groups(x, block), out, scales)
+    q, s = get_hip_quant(QuantType.per_1x128)(x.contiguous(), quant_dtype=FP8_DTYPE)
+    return _finish(q.view(x.shape), s.reshape(scale_shape), out, scales)

@@ -16,7 +16,7 @@ from typing import Optional, Union
 import torch
 
 from atom.ops._common import FP8_DTYPE, FP8_E4M3_MAX, check_float, check_scale
-from atom.ops._dispatch import Op, register
+from atom.ops._dispatch import declare
 
 __all__ = ["rms_norm", "RMS_NORM"]
 
@@ -74,8 +74,9 @@ def _finish(
     return y, s
 
 
-# -- torch reference ------------------------------------------------------------------------------
-def _rms_norm_torch(
+# -- the op, declared by its torch reference ---------------------------------------------------
+@declare("rms_norm", doc="RMSNorm over the last dim (+ fused residual add, + static fp8 output)")
+def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
@@ -86,6 +87,23 @@ def _rms_norm_torch(
     out: Optional[torch.Tensor] = None,
     residual_out: Optional[torch.Tensor] = None,
 ) -> RmsNormResult:
+    """RMSNorm of ``x`` over its last dim (fp32 accumulation), out of place.
+
+    Args:
+        x: ``[..., hidden]`` float16/bfloat16/float32, any strides.
+        weight: ``[hidden]``.
+        eps: added to the mean square.
+        residual: optional ``[..., hidden]`` (x's dtype). When given, ``s = x + residual``
+            (rounded to ``x.dtype``) is normalised and returned as the new residual.
+        out_dtype: output dtype (default ``x.dtype``); ``torch.float8_e4m3fn`` needs ``scale``.
+        scale: per-tensor float32 scale (one element) for fp8 output: ``out = y / scale``
+            clamped to +-448.
+        out, residual_out: optional preallocated outputs (``out`` may alias ``x``,
+            ``residual_out`` may alias ``residual``, for in-place use).
+
+    Returns:
+        ``normed``, or ``(normed, new_residual)`` when ``residual`` is given.
+    """
     out_dtype = _check(x, weight, residual, out_dtype, scale, out, residual_out)
     xf = x.float()
     s = None
@@ -96,6 +114,11 @@ def _rms_norm_torch(
     if out_dtype == FP8_DTYPE:
         y = (y / scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return _finish(y.to(out_dtype), s, out, residual_out)
+
+
+RMS_NORM = rms_norm
+# While torch.compile traces (ATOM_COMPILE_ELEMENTWISE=inductor): the reference as it is.
+rms_norm.inductor(rms_norm.reference)
 
 
 # -- Triton -----------------------------------------------------------------------------------
@@ -112,17 +135,8 @@ def _as_rows(t: torch.Tensor, n: int) -> Optional[torch.Tensor]:
         return None
 
 
-def _rms_norm_triton_supports(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-    scale: Optional[torch.Tensor] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    residual_out: Optional[torch.Tensor] = None,
-) -> Optional[str]:
+def _rms_norm_triton_supports(x: torch.Tensor, *args: object, out: Optional[torch.Tensor] = None,
+                              residual_out: Optional[torch.Tensor] = None, **kwargs: object) -> Optional[str]:
     n = x.shape[-1] if x.dim() else 1
     for name, t in (("out", out), ("residual_out", residual_out)):
         if t is not None and _as_rows(t, n) is None:
@@ -130,6 +144,7 @@ def _rms_norm_triton_supports(
     return None
 
 
+@rms_norm.triton(supports=_rms_norm_triton_supports)
 def _rms_norm_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -141,7 +156,7 @@ def _rms_norm_triton(
     out: Optional[torch.Tensor] = None,
     residual_out: Optional[torch.Tensor] = None,
 ) -> RmsNormResult:
-    from atom.ops import _triton_rmsnorm as kernels
+    from atom.ops import rmsnorm_triton as kernels
 
     out_dtype = _check(x, weight, residual, out_dtype, scale, out, residual_out)
     n = x.shape[-1]
@@ -187,6 +202,7 @@ def _rms_norm_aiter_supports(
     return None
 
 
+@rms_norm.aiter(supports=_rms_norm_aiter_supports)
 def _rms_norm_aiter(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -209,49 +225,3 @@ def _rms_norm_aiter(
     # rmsnorm2d_fwd_with_add(out, input, residual_in, residual_out, weight, epsilon)
     aiter.rmsnorm2d_fwd_with_add(out, x, residual.contiguous(), residual_out, weight, eps)
     return out, residual_out
-
-
-RMS_NORM = register(
-    Op(
-        "rms_norm",
-        torch_impl=_rms_norm_torch,
-        triton_impl=_rms_norm_triton,
-        aiter_impl=_rms_norm_aiter,
-        triton_supports=_rms_norm_triton_supports,
-        aiter_supports=_rms_norm_aiter_supports,
-        # While torch.compile traces (ATOM_COMPILE_ELEMENTWISE=inductor): the reference as it is.
-        inductor_form=_rms_norm_torch,
-        doc="RMSNorm over the last dim (+ fused residual add, + static fp8 output)",
-    )
-)
-
-
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-    scale: Optional[torch.Tensor] = None,
-    *,
-    out: Optional[torch.Tensor] = None,
-    residual_out: Optional[torch.Tensor] = None,
-) -> RmsNormResult:
-    """RMSNorm of ``x`` over its last dim (fp32 accumulation), out of place.
-
-    Args:
-        x: ``[..., hidden]`` float16/bfloat16/float32, any strides.
-        weight: ``[hidden]``.
-        eps: added to the mean square.
-        residual: optional ``[..., hidden]`` (x's dtype). When given, ``s = x + residual``
-            (rounded to ``x.dtype``) is normalised and returned as the new residual.
-        out_dtype: output dtype (default ``x.dtype``); ``torch.float8_e4m3fn`` needs ``scale``.
-        scale: per-tensor float32 scale (one element) for fp8 output: ``out = y / scale``
-            clamped to +-448.
-        out, residual_out: optional preallocated outputs (``out`` may alias ``x``,
-            ``residual_out`` may alias ``residual``, for in-place use).
-
-    Returns:
-        ``normed``, or ``(normed, new_residual)`` when ``residual`` is given.
-    """
-    return RMS_NORM(x, weight, eps, residual, out_dtype, scale, out=out, residual_out=residual_out)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from atom.ops._common import check_float, last_dim_contiguous
-from atom.ops._dispatch import Op, register
+from atom.ops._dispatch import declare
 
 __all__ = ["rotary_embedding", "ROTARY_EMBEDDING", "rope_reference_"]
 
@@ -82,8 +82,9 @@ def rope_reference_(
     x[..., :rotary_dim] = new.to(x.dtype)
 
 
-# -- torch reference ------------------------------------------------------------------------------
-def _rope_torch(
+# -- the op, declared by its torch reference ---------------------------------------------------
+@declare("rotary_embedding", doc="RoPE (NeoX / GPT-J, partial rotary) on query and key, in place")
+def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
     key: Optional[torch.Tensor],
@@ -92,6 +93,19 @@ def _rope_torch(
     rotary_dim: int,
     is_neox: bool,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Apply RoPE to ``query`` and ``key`` **in place**; returns ``(query, key)`` (the same tensors).
+
+    Args:
+        positions: ``[T]`` int64/int32 token positions (index rows of ``cos_sin_cache``).
+        query: ``[T, Hq*head_size]`` or ``[T, Hq, head_size]``; may be a strided view (e.g. a
+            slice of a fused qkv output) as long as the last dim is contiguous.
+        key: like ``query`` with its own head count, or None.
+        cos_sin_cache: ``[max_position, rotary_dim]`` = ``cat(cos, sin)``; any float dtype
+            (the rotation is computed in fp32).
+        head_size: per-head dim.
+        rotary_dim: leading dims of each head that rotate (even, <= head_size).
+        is_neox: NeoX (rotate halves) when True, GPT-J (interleaved pairs) when False.
+    """
     _check(positions, query, key, cos_sin_cache, head_size, rotary_dim)
     t = positions.shape[0]
     rope_reference_(positions, _heads_view(query, t, head_size), cos_sin_cache, rotary_dim, is_neox)
@@ -100,20 +114,19 @@ def _rope_torch(
     return query, key
 
 
+ROTARY_EMBEDDING = rotary_embedding
+# While torch.compile traces (ATOM_COMPILE_ELEMENTWISE=inductor): the reference as it is.
+rotary_embedding.inductor(rotary_embedding.reference)
+
+
 # -- Triton -----------------------------------------------------------------------------------
-def _rope_triton_supports(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    head_size: int,
-    rotary_dim: int,
-    is_neox: bool,
-) -> Optional[str]:
-    # The kernel updates q/k in place through their strides; it cannot copy a gathered input back.
+def _rope_in_place_supports(positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor],
+                            cos_sin_cache: torch.Tensor, *args: object, **kwargs: object) -> Optional[str]:
+    # The kernels update q/k in place through their strides; they cannot copy a gathered input back.
     return last_dim_contiguous(query, key, cos_sin_cache)
 
 
+@rotary_embedding.triton(supports=_rope_in_place_supports)
 def _rope_triton(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -123,7 +136,7 @@ def _rope_triton(
     rotary_dim: int,
     is_neox: bool,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    from atom.ops import _triton_qk as kernels
+    from atom.ops import fused_qk_norm_rope_cache_triton as kernels
 
     _check(positions, query, key, cos_sin_cache, head_size, rotary_dim)
     t = positions.shape[0]
@@ -136,6 +149,7 @@ def _rope_triton(
 
 
 # -- AITER (ROCm) ---------------------------------------------------------------------------
+@rotary_embedding.aiter(supports=_rope_in_place_supports)  # aiter also rotates in place through views
 def _rope_aiter(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -165,43 +179,3 @@ def _rope_aiter(
             q4, k4, cos, sin, pos, style, reuse_freqs_front_part=True, nope_first=False
         )
     return query, key
-
-
-ROTARY_EMBEDDING = register(
-    Op(
-        "rotary_embedding",
-        torch_impl=_rope_torch,
-        triton_impl=_rope_triton,
-        aiter_impl=_rope_aiter,
-        triton_supports=_rope_triton_supports,
-        aiter_supports=_rope_triton_supports,  # aiter also rotates in place through views
-        # While torch.compile traces (ATOM_COMPILE_ELEMENTWISE=inductor): the reference as it is.
-        inductor_form=_rope_torch,
-        doc="RoPE (NeoX / GPT-J, partial rotary) on query and key, in place",
-    )
-)
-
-
-def rotary_embedding(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    head_size: int,
-    rotary_dim: int,
-    is_neox: bool,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Apply RoPE to ``query`` and ``key`` **in place**; returns ``(query, key)`` (the same tensors).
-
-    Args:
-        positions: ``[T]`` int64/int32 token positions (index rows of ``cos_sin_cache``).
-        query: ``[T, Hq*head_size]`` or ``[T, Hq, head_size]``; may be a strided view (e.g. a
-            slice of a fused qkv output) as long as the last dim is contiguous.
-        key: like ``query`` with its own head count, or None.
-        cos_sin_cache: ``[max_position, rotary_dim]`` = ``cat(cos, sin)``; any float dtype
-            (the rotation is computed in fp32).
-        head_size: per-head dim.
-        rotary_dim: leading dims of each head that rotate (even, <= head_size).
-        is_neox: NeoX (rotate halves) when True, GPT-J (interleaved pairs) when False.
-    """
-    return ROTARY_EMBEDDING(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox)

@@ -128,7 +128,19 @@ def _corpus() -> list[str]:
     return [f.read_text(errors="ignore") for f in files]
 
 
-def build_tokenizer(out_dir: Path) -> None:
+def build_tokenizer(out_dir: str | Path, vocab_size: int = VOCAB_SIZE - 24, *, pad_to: int | None = None,
+                    corpus: list[str] | None = None) -> None:
+    """Write a byte-level BPE tokenizer (HF ``PreTrainedTokenizerFast`` files, chat template
+    included) into ``out_dir``.
+
+    Args:
+        vocab_size: tokens the BPE is trained to (special tokens included). The default leaves
+            room below :data:`VOCAB_SIZE`, so every id the tokenizer produces is < the tiny
+            models' ``config.vocab_size``.
+        pad_to: when given, added tokens ``<|pad_i|>`` fill the ids up to it, so that every id a
+            model of that vocabulary can emit decodes (bench/e2e.py's realistic vocabularies).
+        corpus: training text; default: transformers' own sources (:func:`_corpus`).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -136,12 +148,14 @@ def build_tokenizer(out_dir: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - 24,  # leave room so every id < config.vocab_size
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus() if corpus is None else corpus, trainer=trainer)
+    if pad_to is not None and tok.get_vocab_size() < pad_to:
+        tok.add_tokens([f"<|pad_{i}|>" for i in range(pad_to - tok.get_vocab_size())])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
         pad_token="<|endoftext|>", unk_token=None,

@@ -14,10 +14,13 @@ import os
 import sys
 from typing import Any
 
-# Small token budget so the long prompts are chunked and steps mix prefill chunks with decodes.
+# Small token budget so the long prompts are chunked and steps mix prefill chunks with decodes;
+# 32-token blocks (vLLM-CPU's attention takes multiples of 32) so that a later prompt sharing a
+# few dozen tokens with an earlier one reuses a whole cached block (prefix caching is on).
 ENGINE_KWARGS = dict(
     dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
     gpu_memory_utilization=0.3, enable_chunked_prefill=True, max_num_batched_tokens=32,
+    enable_prefix_caching=True, block_size=32,
 )
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -52,6 +55,25 @@ def layer_facts(llm: Any) -> dict[str, Any]:
     return llm.apply_model(facts)[0]
 
 
+def generate_rows(llm: Any, prompts: Any) -> list[dict[str, Any]]:
+    """Greedy rows (tokens, logprobs, cached prompt tokens) for ``prompts``: a list of token-id
+    lists, or ``{"rounds": [[...], [...]]}``, each round one ``generate`` call on the same engine
+    (a later round's prompts can hit the prefix cache an earlier round filled)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    rows = []
+    for round_ in (prompts["rounds"] if isinstance(prompts, dict) else [prompts]):
+        for out in llm.generate([{"prompt_token_ids": p} for p in round_], params, use_tqdm=False):
+            c = out.outputs[0]
+            rows.append({
+                "tokens": list(c.token_ids),
+                "logprobs": [float(e[t].logprob) for e, t in zip(c.logprobs, c.token_ids)],
+                "num_cached_tokens": int(out.num_cached_tokens or 0),
+            })
+    return rows
+
+
 def use_vllm_qwen3() -> None:
     """vLLM's own Qwen3 class instead of atom's override (engine in this process: plugins are
     loaded now, so the engine's later load is a no-op)."""
@@ -69,16 +91,7 @@ def run(model_dir: str, prompts: list[list[int]], **engine_kwargs: Any) -> dict[
     try:
         impls = attention_impls(llm)
         facts = layer_facts(llm)
-        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        rows = []
-        for out in outputs:
-            c = out.outputs[0]
-            rows.append({
-                "tokens": list(c.token_ids),
-                "logprobs": [float(e[t].logprob) for e, t in zip(c.logprobs, c.token_ids)],
-            })
-        return {"impls": impls, "rows": rows, "facts": facts}
+        return {"impls": impls, "rows": generate_rows(llm, prompts), "facts": facts}
     finally:
         del llm
         gc.collect()

@@ -154,8 +154,7 @@ def build_atom_model(model_cls: type, hf_config: Any, tensors: Iterable[tuple[st
     from atom.config import Config
     from atom.models.interfaces import ModelParallel
 
-    cfg = Config(model="tiny", max_num_batched_tokens=256, max_num_seqs=1, max_model_len=256,
-                 gpu_memory_utilization=0.0, hf_config=hf_config, dtype=torch.float32, **config)
+    cfg = Config(max_model_len=256, hf_config=hf_config, dtype=torch.float32, **config)
     model = model_cls(cfg, make_attention=ReferenceAttention(), parallel=parallel or ModelParallel())
     loaded = model.load_weights(tensors)
     assert loaded == {n for n, _ in model.named_parameters()}

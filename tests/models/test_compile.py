@@ -57,7 +57,7 @@ def run_side(checkpoint, prompts, **env) -> dict:
 
 #: tiny checkpoint kind -> (atom's vLLM wrapper class, stock vLLM's model class, atom model file)
 KINDS = {
-    "qwen3": ("ATOMForCausalLM", "Qwen3ForCausalLM", "atom/models/qwen3.py"),
+    "qwen3": ("ATOMForCausalLM", "Qwen3ForCausalLM", "atom/models/_decoder.py"),
     "qwen3_moe": ("ATOMMoEForCausalLM", "Qwen3MoeForCausalLM", "atom/models/_moe.py"),
     # grouped sigmoid routing + shared expert; biased clamped-SwiGLU experts, sinks, sliding window
     "glm4_moe": ("ATOMMoEForCausalLM", "Glm4MoeForCausalLM", "atom/models/glm4_moe.py"),

@@ -222,8 +222,7 @@ def _atom_model(hf_model: nn.Module, tensors: dict[str, torch.Tensor], parallel:
     from atom.models.gpt_oss import GptOssForCausalLM
     from atom.models.interfaces import ModelParallel
 
-    cfg = Config(model="tiny", max_num_batched_tokens=256, max_num_seqs=1, max_model_len=256,
-                 gpu_memory_utilization=0.0, hf_config=hf_model.config, dtype=torch.float32,
+    cfg = Config(max_model_len=256, hf_config=hf_model.config, dtype=torch.float32,
                  enable_expert_parallel=expert_parallel)
     model = GptOssForCausalLM(cfg, make_attention=SinkWindowSelfAttention, parallel=parallel or ModelParallel())
     loaded = model.load_weights(tensors.items())
@@ -329,8 +328,7 @@ def test_quantized_checkpoints_are_refused(hf_checkpoints):
     hf, _ = hf_checkpoints("tiny")
     config = copy.deepcopy(hf.config)
     config.quantization_config = {"quant_method": "mxfp4"}
-    cfg = Config(model="tiny", max_num_batched_tokens=256, max_num_seqs=1, max_model_len=256,
-                 gpu_memory_utilization=0.0, hf_config=config, dtype=torch.float32)
+    cfg = Config(max_model_len=256, hf_config=config, dtype=torch.float32)
     with pytest.raises(NotImplementedError, match="mxfp4.*bf16 checkpoint|bf16/fp32 checkpoints only"):
         GptOssForCausalLM(cfg, make_attention=SinkWindowSelfAttention)
 

@@ -22,6 +22,7 @@ from tests.models._harness import (
     full_logits,
     mixed_prompts,
     run_ranks,
+    run_tp2_engine,
     widen_init,
 )
 
@@ -91,6 +92,14 @@ def test_vllm_builds_atom_model_with_vllm_attention_layers(atom_runs):
 
 def test_fp32_greedy_tokens_equal_stock_vllm(atom_runs, stock_runs):
     assert_same_greedy_run(atom_runs["float32"], stock_runs["float32"], FP32_LOGPROB_ATOL)
+
+
+def test_multiprocess_tp2_tokens_equal_stock_vllm(checkpoint, prompts, stock_runs, tmp_path):
+    """Two real vLLM worker processes with TP=2 (each rank: half the query and KV heads, half of
+    the MLP, per-head QK-norm on its own heads) give stock single-rank vLLM's fp32 tokens."""
+    ours = run_tp2_engine(checkpoint, prompts, tmp_path, {},
+                          "atom.models.qwen3:Qwen3ForCausalLM", "ATOMForCausalLM", "Qwen3ForCausalLM")
+    assert_same_greedy_run(ours, stock_runs["float32"], FP32_LOGPROB_ATOL)
 
 
 def test_fp32_greedy_tokens_equal_hf_transformers(atom_runs, hf_fp32_tokens):

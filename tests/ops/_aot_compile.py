@@ -84,7 +84,8 @@ def _compile(fn, args: tuple, kwargs: dict, arch: int) -> dict:
 
 def _drive_launchers() -> list[tuple[object, tuple, dict]]:
     """Call every op's Triton implementation at Qwen3-8B-like shapes, recording the launches."""
-    from atom.ops import _triton_act_quant, _triton_kv_cache, _triton_qk, _triton_rmsnorm
+    from atom.ops import (activation_triton, fused_qk_norm_rope_cache_triton, kv_cache_triton, quant_triton,
+                          rmsnorm_triton)
     from atom.ops.activation import SILU_AND_MUL
     from atom.ops.fused_qk_norm_rope_cache import FUSED_QK_NORM_ROPE_CACHE, split_qkv
     from atom.ops.kv_cache import RESHAPE_AND_CACHE
@@ -94,9 +95,9 @@ def _drive_launchers() -> list[tuple[object, tuple, dict]]:
 
     recorders = []
     for mod, name in (
-        (_triton_rmsnorm, "_rms_norm_kernel"), (_triton_qk, "_qk_norm_rope_cache_kernel"),
-        (_triton_kv_cache, "_reshape_and_cache_kernel"), (_triton_act_quant, "_silu_and_mul_kernel"),
-        (_triton_act_quant, "_per_token_quant_kernel"), (_triton_act_quant, "_per_block_quant_kernel"),
+        (rmsnorm_triton, "_rms_norm_kernel"), (fused_qk_norm_rope_cache_triton, "_qk_norm_rope_cache_kernel"),
+        (kv_cache_triton, "_reshape_and_cache_kernel"), (activation_triton, "_silu_and_mul_kernel"),
+        (quant_triton, "_per_token_quant_kernel"), (quant_triton, "_per_block_quant_kernel"),
     ):
         rec = _Recorder(getattr(mod, name))
         setattr(mod, name, rec)
@@ -106,10 +107,10 @@ def _drive_launchers() -> list[tuple[object, tuple, dict]]:
     x = torch.empty(t, hidden, dtype=bf)
     w = torch.empty(hidden, dtype=bf)
     scale = torch.ones(1)
-    RMS_NORM.triton_impl(x, w, 1e-6)
-    RMS_NORM.triton_impl(x, w, 1e-6, x.clone())
-    RMS_NORM.triton_impl(x, w, 1e-6, x.clone(), f8, scale)
-    RMS_NORM.triton_impl(torch.empty(t, 32768, dtype=bf), torch.empty(32768, dtype=bf), 1e-6)  # loop path
+    RMS_NORM.impl("triton")(x, w, 1e-6)
+    RMS_NORM.impl("triton")(x, w, 1e-6, x.clone())
+    RMS_NORM.impl("triton")(x, w, 1e-6, x.clone(), f8, scale)
+    RMS_NORM.impl("triton")(torch.empty(t, 32768, dtype=bf), torch.empty(32768, dtype=bf), 1e-6)  # loop path
 
     qkv = torch.empty(t, (hq + 2 * hk) * d, dtype=bf)
     q, k, v = split_qkv(qkv, hq, hk, d)
@@ -117,26 +118,26 @@ def _drive_launchers() -> list[tuple[object, tuple, dict]]:
     cs = torch.empty(4096, d, dtype=torch.float32)
     slots = torch.zeros(t, dtype=torch.int64)
     for neox in (True, False):
-        ROTARY_EMBEDDING.triton_impl(pos, q, k, cs, d, d, neox)
+        ROTARY_EMBEDDING.impl("triton")(pos, q, k, cs, d, d, neox)
         for cache_dtype, kvd in ((bf, "auto"), (f8, "fp8")):
             kv = torch.empty(2, 64, 16, hk, d, dtype=cache_dtype)
-            FUSED_QK_NORM_ROPE_CACHE.triton_impl(
+            FUSED_QK_NORM_ROPE_CACHE.impl("triton")(
                 q, k, v, w[:d], w[:d], 1e-6, pos, cs, neox, kv[0], kv[1], slots, kvd, scale, scale)
     kv = torch.empty(2, 64, 16, hk, d, dtype=bf)
-    FUSED_QK_NORM_ROPE_CACHE.triton_impl(  # partial rotary
+    FUSED_QK_NORM_ROPE_CACHE.impl("triton")(  # partial rotary
         q, k, v, w[:d], w[:d], 1e-6, pos, cs[:, :64], True, kv[0], kv[1], slots, "auto", None, None, 64)
     # Qwen3-30B-A3B heads (32 q / 4 kv): q and kv head blocks of different sizes in one kernel
     # (the GPU compiler rejected this once; the interpreter did not).
     q30, k30, v30 = split_qkv(torch.empty(t, (32 + 2 * 4) * d, dtype=bf), 32, 4, d)
     kv = torch.empty(2, 64, 16, 4, d, dtype=bf)
-    FUSED_QK_NORM_ROPE_CACHE.triton_impl(
+    FUSED_QK_NORM_ROPE_CACHE.impl("triton")(
         q30, k30, v30, w[:d], w[:d], 1e-6, pos, cs, True, kv[0], kv[1], slots, "auto", None, None)
     for cache_dtype, kvd in ((bf, "auto"), (f8, "fp8")):
         kv = torch.empty(2, 64, 16, hk, d, dtype=cache_dtype)
-        RESHAPE_AND_CACHE.triton_impl(k, v, kv[0], kv[1], slots, kvd, scale, scale)
-    SILU_AND_MUL.triton_impl(torch.empty(t, 2 * 12288, dtype=bf))
-    PER_TOKEN_QUANT_FP8.triton_impl(x)
-    PER_BLOCK_QUANT_FP8.triton_impl(x, 128)
+        RESHAPE_AND_CACHE.impl("triton")(k, v, kv[0], kv[1], slots, kvd, scale, scale)
+    SILU_AND_MUL.impl("triton")(torch.empty(t, 2 * 12288, dtype=bf))
+    PER_TOKEN_QUANT_FP8.impl("triton")(x)
+    PER_BLOCK_QUANT_FP8.impl("triton")(x, 128)
     return [(rec.fn, args, kwargs) for rec in recorders for args, kwargs in rec.calls]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.ops import _triton_act_quant
+from atom.ops import quant_triton
 from atom.ops.activation import SILU_AND_MUL
 from atom.ops.quant import PER_BLOCK_QUANT_FP8, PER_TOKEN_QUANT_FP8
 from tests.ops._helpers import (
@@ -69,8 +69,8 @@ def test_per_token_matches_reference(t, k, dtype_tol):
 
 
 def test_per_token_chunked_loop_path(monkeypatch):
-    monkeypatch.setattr(_triton_act_quant, "QUANT_SINGLE_PASS_MAX_K", 64)
-    monkeypatch.setattr(_triton_act_quant, "QUANT_CHUNK_K", 64)
+    monkeypatch.setattr(quant_triton, "QUANT_SINGLE_PASS_MAX_K", 64)
+    monkeypatch.setattr(quant_triton, "QUANT_CHUNK_K", 64)
     x = torch.randn(5, 300, device=DEVICE) * 7
     gq, gs = PER_TOKEN_QUANT_FP8.run("triton", x)
     wq, ws = PER_TOKEN_QUANT_FP8.run("torch", x)

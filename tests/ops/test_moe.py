@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.ops.moe import (dequant_block_fp8_torch, fused_moe, grouped_topk_sigmoid,
-                          per_token_group_quant_fp8_torch, topk_softmax)
+from atom.ops.moe import dequant_block_fp8_torch, fused_moe, per_token_group_quant_fp8_torch
+from atom.ops.moe_routing import grouped_topk_sigmoid, topk_softmax
 
 FP8 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

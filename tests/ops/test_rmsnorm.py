@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.ops import _triton_rmsnorm
+from atom.ops import rmsnorm_triton
 from atom.ops.rmsnorm import RMS_NORM
 from tests.ops._helpers import (
     BF16, DEVICE, DTYPE_IDS, DTYPE_TOLS, FP8, FP16, FP32, assert_close, assert_fp8_close, fp8_scale,
@@ -68,8 +68,8 @@ def test_triton_matches_reference(mode, dtype_tol, t, n):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_chunked_loop_path(monkeypatch, dtype_tol, residual, fp8):
     """Rows longer than SINGLE_PASS_MAX_N take the two-pass loop (lowered here to reach it)."""
-    monkeypatch.setattr(_triton_rmsnorm, "SINGLE_PASS_MAX_N", 32)
-    monkeypatch.setattr(_triton_rmsnorm, "CHUNK_N", 32)
+    monkeypatch.setattr(rmsnorm_triton, "SINGLE_PASS_MAX_N", 32)
+    monkeypatch.setattr(rmsnorm_triton, "CHUNK_N", 32)
     dtype, atol, rtol = dtype_tol
     x, w, r = _inputs(5, 130, dtype, residual)
     out_dtype, scale = (FP8, fp8_scale(0.02)) if fp8 else (None, None)

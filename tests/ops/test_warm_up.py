@@ -7,6 +7,8 @@ of a new shape)."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -40,15 +42,16 @@ def test_attention_size_arguments_are_not_specialised(name, args):
     assert args <= set(_not_specialised(getattr(at, name)))
 
 
-@pytest.mark.parametrize("name,args", [
-    ("_moe_align_kernel", {"num_pairs"}), ("_moe_gemm1_kernel", {"num_pairs", "num_pid_m"}),
-    ("_moe_gemm2_kernel", {"num_pairs", "num_pid_m"}), ("_topk_softmax_kernel", {"num_tokens"}),
-    ("_grouped_topk_sigmoid_kernel", {"num_tokens"}), ("_group_quant_kernel", {"num_rows"}),
+@pytest.mark.parametrize("module,name,args", [
+    ("moe_triton", "_moe_align_kernel", {"num_pairs"}), ("moe_triton", "_moe_gemm1_kernel", {"num_pairs", "num_pid_m"}),
+    ("moe_triton", "_moe_gemm2_kernel", {"num_pairs", "num_pid_m"}),
+    ("moe_routing_triton", "_topk_softmax_kernel", {"num_tokens"}),
+    ("moe_routing_triton", "_grouped_topk_sigmoid_kernel", {"num_tokens"}),
+    ("moe_triton", "_group_quant_kernel", {"num_rows"}),
 ])
-def test_moe_size_arguments_are_not_specialised(name, args):
-    from atom.ops import moe_triton as mt
-
-    assert args <= set(_not_specialised(getattr(mt, name)))
+def test_moe_size_arguments_are_not_specialised(module, name, args):
+    kernels = importlib.import_module(f"atom.ops.{module}")
+    assert args <= set(_not_specialised(getattr(kernels, name)))
 
 
 def _not_specialised(kernel) -> list[str]:

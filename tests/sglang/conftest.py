@@ -43,9 +43,10 @@ def pytest_collection_modifyitems(config, items):
 
 def sglang_env(**overrides: str) -> dict[str, str]:
     """The environment of an SGLang subprocess: stand-ins first on PYTHONPATH, the checkout
-    next, SGLang's CPU engine on, no ATOM_* switch unless given."""
+    next, SGLang's CPU engine on, atom on on CPU (ATOM_ENABLE_ON_CPU=1), no other ATOM_*
+    switch unless given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
-    env.update(SGLANG_USE_CPU_ENGINE="1", TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+    env.update(SGLANG_USE_CPU_ENGINE="1", TRITON_INTERPRET="1", ATOM_ENABLE_ON_CPU="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(STAND_INS), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env.update(overrides)

@@ -48,6 +48,14 @@ def test_entry_point_registers_backend_and_models():
     assert "MODEL MixtralForCausalLM sglang.srt.models.mixtral MixtralForCausalLM" in out  # not in the table for SGLang
 
 
+def test_off_on_cpu_by_default():
+    """As under vLLM: on CPU atom's models stay SGLang's unless ATOM_ENABLE_ON_CPU=1 (the backend
+    name stays registered; asked for, it falls back to SGLang's, logged)."""
+    out = _probe(ATOM_ENABLE_ON_CPU="0")
+    assert "BACKEND atom.plugin.sglang.register True" in out
+    assert "MODEL Qwen3ForCausalLM sglang.srt.models.qwen3 Qwen3ForCausalLM" in out
+
+
 def test_switched_off_registers_nothing():
     out = _probe(ATOM_DISABLE_SGLANG_PLUGIN="1")
     assert "BACKEND None False" in out

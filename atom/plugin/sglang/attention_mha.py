@@ -38,6 +38,11 @@ def attention_backend() -> Decision:
         return Decision(False, "disabled by ATOM_DISABLE_SGLANG_PLUGIN=1")
     if envs.ATOM_DISABLE_SGLANG_PLUGIN_ATTENTION:
         return Decision(False, "disabled by ATOM_DISABLE_SGLANG_PLUGIN_ATTENTION=1")
+    from atom.plugin.sglang.register import overrides_in_effect
+
+    use, why, _ = overrides_in_effect()
+    if not use:
+        return Decision(False, why)
     from atom.plugin import catalog
 
     blocked = catalog.group_blocked("sglang.attention.mha")

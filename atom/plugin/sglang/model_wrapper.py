@@ -144,23 +144,11 @@ def sglang_parallel() -> ModelParallel:
 
 
 def atom_config_from_sglang(hf_config: Any, server_args: Any) -> Config:
-    """SGLang's server arguments (plain values) -> atom's Config; the dtype is the one SGLang
-    builds the model under."""
+    """SGLang's server arguments -> atom's Config (what atom's models read); the dtype is the one
+    SGLang builds the model under."""
     max_model_len = int(server_args.context_length or getattr(hf_config, "max_position_embeddings", 0) or 0)
-    return Config(
-        model=str(server_args.model_path),
-        max_num_batched_tokens=int(server_args.chunked_prefill_size or max_model_len or 1),
-        max_num_seqs=int(server_args.max_running_requests or 0),
-        max_model_len=max_model_len,
-        gpu_memory_utilization=float(server_args.mem_fraction_static or 0.0),
-        tensor_parallel_size=int(server_args.tp_size),
-        kv_cache_block_size=int(server_args.page_size or 1),
-        kv_cache_dtype=str(server_args.kv_cache_dtype),
-        enable_prefix_caching=not bool(server_args.disable_radix_cache),
-        enable_expert_parallel=int(getattr(server_args, "ep_size", 1) or 1) > 1,
-        hf_config=hf_config,
-        dtype=torch.get_default_dtype(),
-    )
+    return Config(hf_config=hf_config, dtype=torch.get_default_dtype(), max_model_len=max_model_len,
+                  enable_expert_parallel=int(getattr(server_args, "ep_size", 1) or 1) > 1)
 
 
 class ATOMSGLangModelBase(nn.Module):

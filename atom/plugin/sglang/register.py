@@ -48,6 +48,21 @@ def activation() -> Decision:
     return sglang_support()
 
 
+def overrides_in_effect() -> Decision:
+    """Decision(use atom's models and attention backend?, reason). As under vLLM, off on CPU
+    unless ATOM_ENABLE_ON_CPU=1: there atom's kernels are the torch reference (a correctness
+    path), slower than SGLang's own. Shared by the model overrides, the attention decision and
+    doctor."""
+    import torch
+
+    if torch.cuda.is_available():
+        return Decision(True, "on")
+    if envs.ATOM_ENABLE_ON_CPU:
+        return Decision(True, "on (ATOM_ENABLE_ON_CPU=1)")
+    return Decision(False, "off on CPU: atom has no fast path there (its CPU kernels are the torch reference); "
+                           "set ATOM_ENABLE_ON_CPU=1 to use atom's models and attention anyway")
+
+
 _registered = False
 
 
@@ -99,6 +114,11 @@ def _override_models(module) -> None:  # noqa: ANN001
     """Post-import hook of ``sglang.srt.models.registry``: put atom's model classes in front of
     SGLang's for every architecture of the table that SGLang knows."""
     from atom.plugin.models import MODEL_TABLE
+
+    use, why, _ = overrides_in_effect()
+    if not use:
+        info_once("sglang-models-off", f"atom model overrides not registered under SGLang: {why}", logger)
+        return
     from atom.plugin.sglang import model_wrapper
 
     registry = module.ModelRegistry

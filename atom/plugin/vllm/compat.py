@@ -4,7 +4,7 @@ difference; tests/plugin/test_compat.py has a test per difference against the in
 Importing this module imports neither vLLM nor torch.
 
 Facts (``../shared/reference/vllm_interfaces.md``):
-* ``VLLM_TARGET_DEVICE=cpu`` short-circuits platform plugins from 0.33 (0.26 still asks them).
+* ``VLLM_TARGET_DEVICE=cpu`` short-circuits platform plugins in 0.32 and 0.33 (0.26 still asks them).
 * ``AttentionBackend.get_kv_cache_shape`` is required up to 0.28 and gone from 0.29 (kv-cache
   layouts instead); ``CommonAttentionMetadata.seq_lens_cpu`` likewise. So the tensor an attention
   impl receives is the backend's own shape up to 0.28 and vLLM's logical ``[B, H, N, Dk+Dv]``
@@ -49,8 +49,10 @@ def vllm_version() -> Version:
 
 
 def target_device_short_circuits_plugins() -> bool:
-    """True where ``VLLM_TARGET_DEVICE=cpu`` makes vLLM skip platform plugins (>= 0.33)."""
-    return vllm_version() >= Version("0.33")
+    """True where ``VLLM_TARGET_DEVICE=cpu`` makes vLLM resolve its CPU platform without asking
+    platform plugins (0.32 and 0.33 do, read from their source; 0.26 asks them; 0.27-0.31 are
+    not checked and taken to ask)."""
+    return vllm_version() >= Version("0.32")
 
 
 def has_get_kv_cache_shape() -> bool:

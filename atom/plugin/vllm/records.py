@@ -6,7 +6,8 @@ torch). Two kinds:
   attention decorators (backend, metadata builder, impl) and the FusedMoE / fp8-linear
   decorator (``quant_method`` for vLLM's per-layer post-load loop);
 * **patches** of vLLM's own classes -- :class:`~atom.patches.Patch` records (mla_patch: vLLM's
-  ``MLAAttention`` routed to atom's impl for atom's layers).
+  ``MLAAttention`` routed to atom's impl for atom's layers; vLLM's model registry answering with
+  vLLM's own classes for runners atom's models do not serve).
 
 Each record carries its group; code that applies a set selects it from the registry
 (``REGISTRY.select("vllm.attention.mha")``), and ``register_model`` arms the whole ``vllm`` group
@@ -151,6 +152,23 @@ register(Patch(
     upstream="vllm MLAAttention.get_kv_cache_spec / AttentionBackend.customize_spec",
     removal="when the backend builds its spec itself (vllm-project/vllm#42449)",
 ))
+
+# -- which models atom's classes serve (atom.plugin.vllm.overrides) --------------------------------
+_REGISTRY = "vllm.model_executor.models.registry:_ModelRegistry"
+
+for _method in ("resolve_model_cls", "inspect_model_cls"):
+    register(Patch(
+        id=f"vllm.models.{_method}", group="vllm.models",
+        target=f"{_REGISTRY}.{_method}",
+        wrapper=f"atom.plugin.vllm.overrides:{_method}",
+        vllm=SUPPORTED_VLLM,
+        signature="(self, architectures, model_config)",
+        reason="atom's model classes serve text generation only: for a pooling runner, a --convert adapter "
+               "or an architecture atom does not implement, vLLM's own registry entries answer",
+        upstream="vllm _ModelRegistry.resolve_model_cls / inspect_model_cls (one registry entry per architecture "
+                 "for every runner)",
+        removal="when vLLM's registry lets an entry serve some runners only",
+    ))
 
 # -- the FusedMoE / fp8-linear decorator (atom.plugin.vllm.moe) -------------------------------------
 _POST_LOAD_UPSTREAM = ("vllm model_loader.utils.process_weights_after_loading -> "

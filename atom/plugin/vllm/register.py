@@ -86,6 +86,17 @@ def activation() -> Decision:
     return Decision(PLATFORM_CLASSES[device], f"{support.reason}; device {device}", support.warn)
 
 
+def overrides_in_effect() -> Decision:
+    """Decision(use atom's model overrides and attention backend?, reason). Off on CPU unless
+    ATOM_ENABLE_ON_CPU=1: there atom's kernels are the torch reference (a correctness path) and
+    vLLM-CPU's own are faster, so a CPU user is not slowed down by default. Shared by
+    ``register_model``, the attention decision and doctor."""
+    if detect_device() == "cpu" and not envs.ATOM_ENABLE_ON_CPU:
+        return Decision(False, "off on CPU: atom has no fast path there (its CPU kernels are the torch "
+                               "reference); set ATOM_ENABLE_ON_CPU=1 to use atom's models and attention anyway")
+    return Decision(True, "on" if detect_device() != "cpu" else "on (ATOM_ENABLE_ON_CPU=1)")
+
+
 def register_platform() -> Optional[str]:
     """vLLM platform hook: the qualname of atom's platform for this device, or None.
 
@@ -135,10 +146,24 @@ def register_model() -> None:
     if _models_registered:
         return
     _models_registered = True
+    in_effect = overrides_in_effect()
+    if not in_effect.value:
+        info_once("models-off", f"atom model overrides and attention {in_effect.reason}", logger)
+        return
+    from atom.plugin.vllm import compat
+    from vllm import envs as vllm_envs
+
+    if vllm_envs.VLLM_TARGET_DEVICE == "cpu" and compat.target_device_short_circuits_plugins():
+        # vLLM resolves its CPU platform without asking plugins: atom's models still serve (they
+        # run on any platform), with vLLM's own CPU attention.
+        info_once("target-device", "VLLM_TARGET_DEVICE=cpu: vLLM picks its CPU platform without asking "
+                  "plugins, so atom's attention backend is not used; atom's models still are", logger)
 
     from vllm import ModelRegistry
 
     from atom.plugin.models import MODEL_TABLE
+
+    from atom.plugin.vllm import overrides
 
     known = set(ModelRegistry.get_supported_archs())
     overridden = []
@@ -149,7 +174,7 @@ def register_model() -> None:
         if not entry.implemented():
             logger.debug("atom: no atom model module for %s; not overridden", entry.arch)
             continue
-        ModelRegistry.register_model(entry.arch, entry.wrapper_ref)
+        overrides.override(ModelRegistry, entry.arch, entry.wrapper_ref)
         overridden.append(entry.arch)
         logger.info("Register model %s to vLLM with %s", entry.arch, entry.wrapper_ref)
 

@@ -51,6 +51,11 @@ def attention_backend(selected_backend: Any, attn_selector_config: Any, *, claim
     """
     if envs.ATOM_DISABLE_VLLM_PLUGIN_ATTENTION:
         return Decision(None, "disabled by ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1")
+    from atom.plugin.vllm.register import overrides_in_effect
+
+    in_effect = overrides_in_effect()
+    if not in_effect.value:
+        return Decision(None, in_effect.reason)
     requested = getattr(selected_backend, "name", None)
     if requested is not None and requested not in {name for _, name in BACKENDS.values()}:
         return Decision(None, f"attention backend {requested} requested")

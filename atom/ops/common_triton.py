@@ -1,23 +1,41 @@
-"""Triton helpers shared by atom's memory-bound kernels.
+"""Triton helpers shared by atom's kernel modules (``atom/ops/<op>_triton.py``).
 
-Imported only by the ``_triton_*`` kernel modules, which the op modules import lazily on the
-first Triton call: ``import atom.ops`` stays free of Triton (it may be absent, and
-``TRITON_INTERPRET`` must be set before ``@triton.jit`` runs).
+Imported only by the kernel modules, which the op modules import lazily on the first Triton
+call: ``import atom.ops`` stays free of Triton (it may be absent, and ``TRITON_INTERPRET`` must be
+set before ``@triton.jit`` runs).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import triton
 import triton.language as tl
 
 from atom.ops._dispatch import triton_interpreting
 
-__all__ = ["to_fp8_e4m3", "cache_store", "num_warps_for", "exact_fp8_cast"]
+__all__ = ["to_fp8_e4m3", "cache_store", "num_warps_for", "exact_fp8_cast", "dot_flags"]
 
 
 def exact_fp8_cast() -> bool:
     """Whether kernels must pre-round to the e4m3 grid before casting (see :func:`to_fp8_e4m3`)."""
     return triton_interpreting()
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[bool, Optional[str]]:
+    """(UPCAST, PREC) constexprs for ``tl.dot`` on operands of ``dtype``.
+
+    Triton's CPU interpreter (3.9) multiplies the raw uint16 storage of bfloat16 operands in
+    ``tl.dot``, so under the interpreter bf16 operands are upcast to fp32 first (exact: the
+    product of two bf16 values is representable in fp32). fp32 inputs ask for fp32-accurate
+    products so the fp32 path is a real check rather than TF32: 3xTF32 on NVIDIA (tensor
+    cores; Triton's IEEE FMA path spills registers at attention tile sizes), IEEE elsewhere.
+    """
+    upcast = triton_interpreting() and dtype == torch.bfloat16
+    if dtype != torch.float32:
+        return upcast, None  # Triton's default for 16-bit operands
+    return upcast, ("ieee" if getattr(torch.version, "hip", None) else "tf32x3")
 
 
 def num_warps_for(tile_elems: int, elem_bytes: int, max_warps: int = 16) -> int:

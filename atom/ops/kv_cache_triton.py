@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from atom.ops._common import next_pow2
-from atom.ops._triton_common import cache_store, exact_fp8_cast, num_warps_for
+from atom.ops.common_triton import cache_store, exact_fp8_cast, num_warps_for
 
 #: Elements of one head-block tile (key or value) per program; ~2 KiB of bf16.
 TILE_ELEMS = 1024

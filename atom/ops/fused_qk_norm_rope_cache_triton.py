@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from atom.ops._common import next_pow2
-from atom.ops._triton_common import cache_store, exact_fp8_cast, num_warps_for
+from atom.ops.common_triton import cache_store, exact_fp8_cast, num_warps_for
 
 #: Target elements per head-block tile (D=128 -> 8 heads per program).
 TILE_ELEMS = 1024

