@@ -1,7 +1,8 @@
-"""atom: faster model execution for an unmodified vLLM, through vLLM's plugin entry points.
+"""atom: faster model execution for an unmodified vLLM (and SGLang), through their plugin entry points.
 
-Importing ``atom`` imports neither vLLM nor torch; the plugin hooks live in
-``atom.plugin.vllm.register`` and are found by vLLM through the package's entry points.
+Importing ``atom`` imports neither host nor torch; the plugin hooks live in
+``atom.plugin.vllm.register`` and ``atom.plugin.sglang.register`` and are found by each host
+through the package's entry points.
 """
 
 #: The one place the version is written: pyproject.toml reads it (``attr: atom.__version__``).

@@ -29,7 +29,8 @@ def _cmd_patches(args: argparse.Namespace) -> int:
         state = r["state"] + (f" ({r['detail']})" if r["detail"] else "")
         kind = "decorator" if r["kind"] == "injection" else "patch"
         print(f"{r['id']:<{width}}  {kind:<9}  {state}")
-        print(f"{'':<{width}}  group: {r['group'] or '-'}  target: {r['target']}  vLLM {r['vllm']}  how: {r['how']}")
+        host = f"SGLang {r['sglang']}" if r["host"] == "sglang" else f"vLLM {r['vllm']}"
+        print(f"{'':<{width}}  group: {r['group'] or '-'}  target: {r['target']}  {host}  how: {r['how']}")
         print(f"{'':<{width}}  reason: {r['reason']}")
     return 0
 

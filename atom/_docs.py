@@ -38,9 +38,10 @@ def render_patches() -> str:
     catalog.load()
     rows = [r for r in listing(REGISTRY) if not r["id"].startswith("fixture.")]
     lines = [
-        HEADER.format(src="the patch registry (atom/plugin/vllm/records.py)"),
+        HEADER.format(src="the patch registry (atom/plugin/vllm/records.py, atom/plugin/sglang/records.py)"),
         "# Patches and injections\n\n",
-        "Everything atom applies under vLLM is one record in the registry, of two kinds:\n\n"
+        "Everything atom applies under a host (vLLM or SGLang) is one record in the registry, of two "
+        "kinds:\n\n"
         "- **decorators** (injections) bind atom's own host-neutral layers (`atom.models`) to vLLM: "
         "they add the members vLLM calls (backend classmethods, the metadata builder's `build`, the "
         "impl's `forward`, `process_weights_after_loading`, `quant_method`) to atom's classes; "
@@ -53,8 +54,13 @@ def render_patches() -> str:
         "(`*` = all), its own toggle variable, or `ATOM_DISABLE_VLLM_PLUGIN=1` for everything. A "
         "group's records are applied together: atom's attention backend of a kind is only handed to "
         "vLLM while every record of its group is applied. `python -m atom patches` shows the live "
-        "state in your environment.\n\n",
-        "| id | group | kind | target | how | vLLM | toggle | expected signature | reason | upstream | removal |\n",
+        "state in your environment.\n\n"
+        "SGLang's records (host `sglang`) work the same way: SGLang's `register` entry point arms "
+        "them in every SGLang process, the installed SGLang is checked against their range, and "
+        "`ATOM_DISABLE_SGLANG_PLUGIN=1` switches them off (`ATOM_DISABLE_VLLM_PLUGIN` governs "
+        "vLLM's only). The `atom` attention backend is handed to SGLang only while its group "
+        "(`sglang.attention.mha`) is applied.\n\n",
+        "| id | group | kind | target | how | host range | toggle | expected signature | reason | upstream | removal |\n",
         "|---|---|---|---|---|---|---|---|---|---|---|\n",
     ]
     for r in rows:
@@ -63,7 +69,8 @@ def render_patches() -> str:
             how += f" ({r['members']})"
         lines.append(
             f"| `{r['id']}` | {r['group']} | {'decorator' if r['kind'] == 'injection' else 'patch'} "
-            f"| `{_cell(r['target'])}` | {_cell(how)} | {_cell(r['vllm'])} "
+            f"| `{_cell(r['target'])}` | {_cell(how)} "
+            f"| {_cell(('SGLang ' + r['sglang']) if r['host'] == 'sglang' else ('vLLM ' + r['vllm']))} "
             f"| {_cell(r['toggle'] or '-')} | `{_cell(r['signature'] or '-')}` | {_cell(r['reason'])} "
             f"| {_cell(r['upstream'])} | {_cell(r['removal'])} |\n"
         )
@@ -76,9 +83,16 @@ def render_supported_models() -> str:
     lines = [
         HEADER.format(src="atom/plugin/models.py (the one architecture table)"),
         "# Supported models\n\n",
-        "`register_model` overrides these architectures in vLLM's `ModelRegistry` (only those "
-        "the installed vLLM knows); every other architecture runs vLLM's own implementation, "
-        "still on atom's platform. `ATOM_DISABLE_VLLM_PLUGIN=1` restores vLLM's classes.\n\n",
+        "atom serves these architectures through two hosts from one table. Under vLLM, "
+        "`register_model` overrides them in vLLM's `ModelRegistry` (only those the installed vLLM "
+        "knows); every other architecture runs vLLM's own implementation, still on atom's "
+        "platform. `ATOM_DISABLE_VLLM_PLUGIN=1` restores vLLM's classes.\n\n"
+        "Under SGLang (0.5.17), atom's `register` entry point overrides the architectures that have an "
+        "SGLang class in the same table in SGLang's `ModelRegistry`, each class named after its "
+        "architecture; they run on any SGLang attention backend, and on atom's with "
+        "`--attention-backend atom --page-size 16`. `ATOM_DISABLE_SGLANG_PLUGIN=1` restores "
+        "SGLang's classes.\n\n",
+        "## Under vLLM\n\n",
         "| HF architecture | vLLM class (atom wrapper) | atom model | quantized checkpoints | verified |\n"
         "|---|---|---|---|---|\n",
     ]
@@ -86,6 +100,15 @@ def render_supported_models() -> str:
         quant = ", ".join(e.quantization) or "none (refused)"
         lines.append(f"| `{e.arch}` | `{WRAPPER_MODULE}:{e.wrapper}` | `{e.model}` | {quant} | "
                      f"{_cell(e.verified or 'not yet')} |\n")
+    lines += ["\n## Under SGLang\n\n",
+              "| HF architecture | SGLang class (atom wrapper) | atom model | quantized checkpoints | verified |\n"
+              "|---|---|---|---|---|\n"]
+    for e in MODEL_TABLE:
+        if e.sglang_wrapper:
+            lines.append(f"| `{e.arch}` | `{e.sglang_wrapper_ref}` | `{e.model}` | none (refused) | "
+                         f"{_cell(e.sglang_verified or 'not yet')} |\n")
+    served = ", ".join(f"`{e.arch}`" for e in MODEL_TABLE if not e.sglang_wrapper)
+    lines.append(f"\nNot yet through SGLang (SGLang's own classes serve them): {served}.\n")
     return "".join(lines)
 
 
@@ -99,7 +122,7 @@ def render_modules() -> str:
         "# Modules\n\n",
         "One line per module of the `atom` package, in import-path order. Layers: `atom.ops` "
         "(kernels) and `atom.models` (models and their host-neutral layers) import no host "
-        "framework; `atom.plugin.<host>` binds them to one (vLLM today); `atom.patches` is the "
+        "framework; `atom.plugin.<host>` binds them to one (vLLM, SGLang); `atom.patches` is the "
         "toolkit that applies and reverts those bindings "
         "(`tests/toolkit/test_import_purity.py` checks the layering).\n\n",
         "| module | what it is |\n|---|---|\n",

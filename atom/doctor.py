@@ -81,10 +81,36 @@ def collect() -> dict[str, Any]:
     op_device = "cuda" if device in ("cuda", "rocm") else "cpu"
     report["ops"] = {name: dict(zip(("backend", "why"), op.backend_on(op_device))) for name, op in sorted(OPS.items())}
 
+    report["sglang"] = _sglang_state()
     report["patches"] = _patch_states(found is not None)
-    report["active"] = qualname is not None
-    report["reason"] = reason
+    report["active"] = qualname is not None or report["sglang"]["active"]
+    report["reason"] = reason if qualname is not None or not report["sglang"]["active"] \
+        else f"under SGLang: {report['sglang']['reason']}"
     return report
+
+
+def _sglang_state() -> dict[str, Any]:
+    """atom under SGLang: the version, whether ``register`` would activate and why, the
+    ``atom`` backend's decision (records applied as ``register`` arms them) and the overrides."""
+    from atom.patches.versions import installed_sglang
+    from atom.plugin.models import MODEL_TABLE
+    from atom.plugin.sglang import register
+
+    version = installed_sglang()
+    on, why, _ = register.activation()
+    state: dict[str, Any] = {"version": str(version) if version else None, "active": bool(on), "reason": why,
+                             "models": [e.arch for e in MODEL_TABLE if e.sglang_wrapper], "attention": why}
+    if on:
+        from atom.plugin.sglang import records
+        from atom.plugin.sglang.attention_mha import attention_backend
+
+        use, why, _ = register.overrides_in_effect()
+        if not use:
+            state["models"] = [f"none ({why})"]
+        records.arm_all()
+        use, reason, _ = attention_backend()
+        state["attention"] = f"{'atom' if use else 'SGLang default'} ({reason}; with --attention-backend atom)"
+    return state
 
 
 def _attention_choices(vllm_installed: bool) -> dict[str, dict[str, Any]]:
@@ -146,6 +172,12 @@ def render(report: dict[str, Any]) -> str:
     lines.append("ops (backend on this device, why):")
     for name, o in report["ops"].items():
         lines.append(f"  {name:<28} {o['backend']:<7} {o['why']}")
+    sg = report["sglang"]
+    lines.append(f"SGLang: {sg['version'] or 'not installed'}; atom {'activates' if sg['active'] else 'stays off'} "
+                 f"({sg['reason']})")
+    if sg["active"]:
+        lines.append(f"  models: {', '.join(sg['models'])}")
+        lines.append(f"  attention: {sg['attention']}")
     lines.append("patches:")
     for r in report["patches"]:
         state = r["state"] + (f" ({r['detail']})" if r["detail"] else "")

@@ -173,10 +173,25 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_bool, _BOOL,
         ),
         EnvVar(
+            "ATOM_DISABLE_SGLANG_PLUGIN", "bool", "0",
+            "Disable atom under SGLang (model overrides, the `atom` attention backend, SGLang "
+            "records): SGLang runs as if atom were not installed. vLLM is governed by "
+            "ATOM_DISABLE_VLLM_PLUGIN alone (one switch per host, so an environment with both "
+            "can keep atom in one).",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
+            "ATOM_DISABLE_SGLANG_PLUGIN_ATTENTION", "bool", "0",
+            "Keep atom's models under SGLang but serve `--attention-backend atom` with SGLang's "
+            "own backend instead (triton on GPUs, torch_native on CPU).",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
             "ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION", "bool", "0",
             "Fuse QK-RMSNorm + RoPE + KV-cache write (+ fp8 quantisation) into one kernel in "
             "atom's attention impl, for atom's Qwen3 / Qwen3-MoE models on atom's MHA backend "
-            "(no effect with vLLM's attention backend or vLLM's own model classes).",
+            "(vLLM's platform choice, or SGLang's `--attention-backend atom`); no effect with the "
+            "host's own attention backends or model classes.",
             _parse_bool, _BOOL,
         ),
         EnvVar(

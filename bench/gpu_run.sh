@@ -48,6 +48,12 @@
 #            check of one atom change. Each side has its own compile cache. -> $OUT/ab_<model>.json, .txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
+#   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
+#            unpacks bench/stage_sglang.py's parts from /tmp/sglang-parts into /tmp/site-sglang once,
+#            installs this checkout's atom there (entry points visible), imports SGLang's CUDA path
+#            (--check: what is missing, then stops), then both engines on the GPU at once, cells
+#            interleaved. SGLANG_MODEL (default dense; moe), SGLANG_ARGS (more bench options)
+#            -> $OUT/sglang/<model>.json, .txt, <model>/{stock,atom}.log
 # Results land under $OUT, which the device tool brings back.
 set -uo pipefail
 # /tmp/site-serve (the `serve-deps` step): modules `vllm serve` needs that the staged vLLM lacks,
@@ -140,6 +146,20 @@ for step in "$@"; do
               timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \
                   --json "$OUT/profile/profile.json" > "$OUT/profile/profile.txt" 2>&1
               tail -60 "$OUT/profile/profile.txt" ;;
+        sglang) mkdir -p "$OUT/sglang" /tmp/site-sglang; m="${SGLANG_MODEL:-dense}"
+              if [ ! -d /tmp/site-sglang/sglang ]; then
+                  (cd /tmp/sglang-parts && sha256sum -c sglang0517.SHA256SUMS) || { echo "parts missing or corrupt"; continue; }
+                  cat /tmp/sglang-parts/sglang0517.tar.xz.part* | xz -d -T0 | tar -x -C /tmp/site-sglang
+              fi
+              # SGLang's own site only (vLLM's carried packages differ in version); atom from this checkout
+              PYTHONPATH=/tmp/site-sglang python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+                  --upgrade --target /tmp/site-sglang . 2>&1 | grep -v WARNING | tail -2
+              if ! PYTHONPATH=/tmp/site-sglang python3 bench/sglang_bench.py --check > "$OUT/sglang/check.txt" 2>&1; then
+                  grep -E "MISSING|entry" "$OUT/sglang/check.txt"; continue
+              fi
+              PYTHONPATH=/tmp/site-sglang timeout 570 python3 bench/sglang_bench.py --models "$m" --budget 450 \
+                  --out "$OUT/sglang/$m.json" --workdir "$OUT/sglang" ${SGLANG_ARGS:-} > "$OUT/sglang/$m.txt" 2>&1
+              grep -E "^\||elapsed|Error|error" "$OUT/sglang/$m.txt" | tail -30 ;;
         *) echo "unknown step $step" ;;
     esac
 done

@@ -104,6 +104,8 @@ def test_compile_elementwise_choice(monkeypatch):
 MALFORMED = {
     "ATOM_DISABLE_VLLM_PLUGIN": ["maybe", "2", "yes please"],
     "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": ["maybe", "-1"],
+    "ATOM_DISABLE_SGLANG_PLUGIN": ["maybe", "2"],
+    "ATOM_DISABLE_SGLANG_PLUGIN_ATTENTION": ["on please", "-1"],
     "ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION": ["enabled", "10"],
     "ATOM_DISABLED_PATCHES": ["vllm.mla.x, bad id!", "a;b", "x/y"],
     "ATOM_ENABLE_ON_CPU": ["cpu", "11"],

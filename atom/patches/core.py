@@ -33,7 +33,7 @@ from atom import envs
 from atom._logging import get_logger, info_once, warn_once
 from atom.patches.records import Injection, Patch, PatchError, Record, Ref, split_target
 from atom.patches.signatures import accepted, shape
-from atom.patches.versions import vllm_version_in
+from atom.patches.versions import sglang_version_in, vllm_version_in
 
 logger = get_logger("atom.patches")
 
@@ -121,8 +121,9 @@ def _lookup(owner: Any, name: str) -> Any:
 
 def disabled_by(record: Record) -> Optional[str]:
     """The variable that disables ``record`` now, as ``NAME=value`` text, or None."""
-    if envs.ATOM_DISABLE_VLLM_PLUGIN:
-        return "ATOM_DISABLE_VLLM_PLUGIN=1"
+    master = f"ATOM_DISABLE_{record.host.upper()}_PLUGIN"  # the record's host's master switch
+    if envs.get(master):
+        return f"{master}=1"
     ids = envs.ATOM_DISABLED_PATCHES
     if "*" in ids or record.id in ids:
         return "ATOM_DISABLED_PATCHES"
@@ -209,10 +210,11 @@ def _refuse(entry: _Entry, why: str) -> None:
 
 def _apply_now(entry: _Entry, cls: Any = None) -> None:
     rec = entry.record
-    ok, installed_version = vllm_version_in(rec.vllm)
-    if not ok:
-        _refuse(entry, f"installed vLLM {installed_version} is outside the supported range {rec.vllm}")
-        return
+    for name, spec, version_in in (("vLLM", rec.vllm, vllm_version_in), ("SGLang", rec.sglang, sglang_version_in)):
+        ok, installed_version = version_in(spec)
+        if not ok:
+            _refuse(entry, f"installed {name} {installed_version} is outside the supported range {spec}")
+            return
     _, path = split_target(rec.target)
     try:
         if isinstance(rec, Patch):

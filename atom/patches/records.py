@@ -13,7 +13,10 @@ from typing import Any, Callable, Union
 
 Ref = Union[str, Callable[..., Any], type]
 
-__all__ = ["Patch", "Injection", "Record", "PatchError", "split_target"]
+__all__ = ["Patch", "Injection", "Record", "PatchError", "split_target", "HOSTS"]
+
+#: The host frameworks a record can belong to.
+HOSTS = ("vllm", "sglang")
 
 
 class PatchError(RuntimeError):
@@ -36,8 +39,8 @@ class _Common:
     target: str
     #: PEP 440 specifier of the vLLM versions this was written and tested for ("" = any).
     vllm: str = ""
-    #: An ATOM_* boolean variable that, when true, disables this record (besides
-    #: ATOM_DISABLE_VLLM_PLUGIN and ATOM_DISABLED_PATCHES, which disable every record).
+    #: An ATOM_* boolean variable that, when true, disables this record (besides the host's
+    #: master switch, ATOM_DISABLE_<HOST>_PLUGIN, and ATOM_DISABLED_PATCHES).
     toggle: str = ""
     #: One line: why this exists.
     reason: str = ""
@@ -49,9 +52,16 @@ class _Common:
     #: a set selects it from the registry (:meth:`atom.patches.Registry.select`) instead of
     #: keeping its own list of records.
     group: str = ""
+    #: The framework whose process applies this record (one of :data:`HOSTS`): its master
+    #: switch (``ATOM_DISABLE_VLLM_PLUGIN`` / ``ATOM_DISABLE_SGLANG_PLUGIN``) disables it.
+    host: str = "vllm"
+    #: PEP 440 specifier of the SGLang versions this was written and tested for ("" = any).
+    sglang: str = ""
 
     def __post_init__(self) -> None:
         split_target(self.target)
+        if self.host not in HOSTS:
+            raise ValueError(f"record {self.id}: host {self.host!r} is not one of {', '.join(HOSTS)}")
         if not self.id or not all(c.isalnum() or c in "._-" for c in self.id):
             raise ValueError(f"record id {self.id!r} must use letters, digits, '.', '_', '-'")
 

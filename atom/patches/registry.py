@@ -75,6 +75,8 @@ def listing(registry: Registry = REGISTRY) -> list[dict[str, str]]:
             "kind": rec.kind,
             "target": rec.target,
             "vllm": rec.vllm or "any",
+            "host": rec.host,
+            "sglang": rec.sglang or "any",
             "toggle": rec.toggle,
             "state": st.state.value,
             "detail": st.detail,

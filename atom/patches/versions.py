@@ -1,4 +1,4 @@
-"""Installed vLLM version, read from package metadata (never by importing vLLM)."""
+"""Installed vLLM and SGLang versions, read from package metadata (never by importing either)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,23 @@ def vllm_version_in(spec: str) -> tuple[bool, str]:
     if found is None:
         return False, text
     return found[1] in SpecifierSet(spec), text
+
+
+@functools.lru_cache(maxsize=None)
+def installed_sglang() -> Version | None:
+    """The installed SGLang's version (without local part), or None."""
+    try:
+        return Version(Version(importlib.metadata.version("sglang")).base_version)
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        return None
+
+
+def sglang_version_in(spec: str) -> tuple[bool, str]:
+    """(ok, installed version text) for a PEP 440 specifier; an empty spec accepts anything."""
+    found = installed_sglang()
+    text = str(found) if found else "not installed"
+    if not spec:
+        return True, text
+    if found is None:
+        return False, text
+    return found in SpecifierSet(spec), text

@@ -1,5 +1,5 @@
 """atom's seam to host frameworks: the one architecture table (``models``), the catalog of
-records (``catalog``) and one package per host (``vllm``; SGLang next). Only ``atom.plugin.<host>``
+records (``catalog``) and one package per host (``vllm``, ``sglang``). Only ``atom.plugin.<host>``
 knows a host's classes; nothing here imports one.
 """
 

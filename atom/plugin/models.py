@@ -1,8 +1,9 @@
-"""THE architecture table: HF architecture -> vLLM wrapper class -> atom model class.
+"""THE architecture table: HF architecture -> each host's model class -> atom model class.
 
-Defined once; ``register_model`` (vLLM overrides), the model wrapper (which atom model to build),
-``python -m atom doctor`` and ``docs/supported_models.md`` all read it. Strings only: nothing is
-imported until vLLM builds a model.
+Defined once; ``register_model`` (vLLM overrides), SGLang's ``register`` (SGLang overrides), the
+model wrappers (which atom model to build), ``python -m atom doctor`` and
+``docs/supported_models.md`` all read it. Strings only: nothing is imported until a host builds
+a model.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import importlib.util
 from dataclasses import dataclass
 
 WRAPPER_MODULE = "atom.plugin.vllm.model_wrapper"
+#: SGLang's model classes (each named after its HF architecture, as SGLang's registry requires).
+SGLANG_WRAPPER_MODULE = "atom.plugin.sglang.model_wrapper"
 
 
 @dataclass(frozen=True)
@@ -23,15 +26,28 @@ class ModelEntry:
     #: vLLM ``--quantization`` methods whose checkpoints this atom model loads (besides
     #: unquantized ones); the wrapper refuses any other with a clear error.
     quantization: tuple[str, ...] = ()
+    #: class name in atom.plugin.sglang.model_wrapper ("": not served through SGLang yet)
+    sglang_wrapper: str = ""
+    #: Where and how the SGLang override is verified.
+    sglang_verified: str = ""
 
     @property
     def wrapper_ref(self) -> str:
         return f"{WRAPPER_MODULE}:{self.wrapper}"
 
+    @property
+    def sglang_wrapper_ref(self) -> str:
+        return f"{SGLANG_WRAPPER_MODULE}:{self.sglang_wrapper}" if self.sglang_wrapper else ""
+
     def implemented(self) -> bool:
         """True when atom's model module exists in this installation (no import)."""
         return importlib.util.find_spec(self.model.partition(":")[0]) is not None
 
+
+_SGLANG_CPU_CI = ("CPU CI (sglang 0.5.17, fp32, page size 16): greedy tokens identical to stock SGLang "
+                  "(its own model on torch_native) and to HF transformers, on atom's `atom` attention "
+                  "backend and on SGLang's torch_native; batches of different prompt lengths, prompts "
+                  "longer than a page, decodes across pages. Not yet run on GPU")
 
 MODEL_TABLE: tuple[ModelEntry, ...] = (
     ModelEntry(
@@ -51,6 +67,7 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "fp8 checkpoint vs stock vLLM's own fp8 kernels: teacher-forced logprobs within 0.11 "
                  "(mean 0.024)",
         quantization=("fp8",),
+        sglang_wrapper="Qwen3ForCausalLM", sglang_verified=_SGLANG_CPU_CI,
     ),
     ModelEntry(
         "Qwen3MoeForCausalLM", "ATOMMoEForCausalLM", "atom.models.qwen3_moe:Qwen3MoeForCausalLM",
@@ -65,6 +82,7 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "fp32, TP=2 / EP=2 scale slicing checked; H100: fused_moe on fp8 block-scaled experts "
                  "matches the dequantised reference in the GPU test (model alone)",
         quantization=("fp8",),
+        sglang_wrapper="Qwen3MoeForCausalLM", sglang_verified=_SGLANG_CPU_CI,
     ),
     ModelEntry(
         "LlamaForCausalLM", "ATOMForCausalLM", "atom.models.llama:LlamaForCausalLM",
@@ -72,6 +90,10 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "biases, tied head): greedy tokens identical to stock vLLM in fp32, logprobs close in "
                  "bf16, HF transformers as second oracle; 2 vLLM worker processes with TP=2 give stock "
                  "vLLM's fp32 tokens; linear/dynamic RoPE checked on the model alone. Not run on GPU",
+        sglang_wrapper="LlamaForCausalLM",
+        sglang_verified=_SGLANG_CPU_CI.replace("Not yet run on GPU", "the three-way checkpoint has no MLP "
+                                               "biases: stock SGLang 0.5.17's Llama drops them at load, atom's loads "
+                                               "them and matches HF on the checkpoint with them. Not yet run on GPU"),
     ),
     ModelEntry(
         "MixtralForCausalLM", "ATOMMoEForCausalLM", "atom.models.mixtral:MixtralForCausalLM",

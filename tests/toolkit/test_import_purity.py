@@ -1,7 +1,7 @@
 """The layering the architecture promises, checked on the code as it is:
 
-* declaring and arming records imports neither vLLM nor torch, and the entry-point functions
-  import without vLLM;
+* declaring and arming records imports neither vLLM, SGLang nor torch, and the entry-point
+  functions import without their host;
 * atom's ops, models and host-neutral layers (``atom.ops``, ``atom.models`` with its attention
   layers, ``atom.config``, ``atom.envs``, and ``atom.plugin``'s host-neutral modules) import no
   vLLM: only ``atom.plugin.<host>`` knows a host;
@@ -55,6 +55,30 @@ def test_arming_vllm_records_does_not_import_vllm():
     """)
     assert proc.returncode == 0, proc.stderr
     assert "VLLM False" in proc.stdout and "armed" in proc.stdout
+
+
+def test_arming_sglang_records_imports_neither_sglang_nor_torch():
+    proc = run_python("""
+        import sys
+        from atom.plugin.sglang import records
+        states = records.arm_all()
+        print("STATES", states)
+        print("LOADED", [m for m in ("sglang", "torch", "vllm") if m in sys.modules])
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "LOADED []" in proc.stdout
+    assert "sglang.attention.mha_backend': 'armed" in proc.stdout, proc.stdout
+
+
+def test_sglang_entry_point_imports_without_sglang():
+    proc = run_python("""
+        import sys
+        from atom.plugin.sglang.register import register
+        assert callable(register)
+        print("LOADED", [m for m in ("sglang", "torch", "vllm") if m in sys.modules])
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "LOADED []" in proc.stdout
 
 
 def test_entry_point_functions_import_without_vllm():

@@ -24,19 +24,11 @@ BACKENDS: dict[str, tuple[str, str]] = {
 
 
 def _group_blocked(kind: str) -> Optional[str]:
-    """Apply the records of ``kind`` (its decorators and patches, group
-    ``vllm.attention.<kind>``), importing each target (idempotent, environment permitting);
+    """Apply the records of ``kind`` (its decorators and patches, group ``vllm.attention.<kind>``);
     why one is not in effect, or None."""
-    from atom.patches import REGISTRY, Injection, State, apply
     from atom.plugin import catalog
 
-    catalog.load()
-    for record in REGISTRY.select(f"vllm.attention.{kind}"):
-        importlib.import_module(record.module)
-        st = apply(record)
-        if st.state is not State.APPLIED:
-            return f"{'decorator' if isinstance(record, Injection) else 'patch'} {record.id} is {st}"
-    return None
+    return catalog.group_blocked(f"vllm.attention.{kind}")
 
 
 def _mla_dims(vllm_config: Any) -> Optional[tuple[int, int]]:

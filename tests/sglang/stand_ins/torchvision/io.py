@@ -1,0 +1,5 @@
+"""Test stand-in for torchvision.io (tests/sglang/stand_ins/README.md): every name raises if called."""
+
+from _stand_in import module_getattr
+
+__getattr__ = module_getattr("torchvision.io")

@@ -1,0 +1,123 @@
+"""atom's SGLang entry point and decorator, on the installed SGLang: the entry point registers
+what it says (the ``atom`` backend and choice, the model overrides named after their
+architectures), switching atom off registers nothing, and every member the decorator injects
+has the shape of the SGLang base-class member it stands in for."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.sglang.conftest import sglang_env
+
+PROBE = """
+import sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+from sglang.srt.models.registry import ModelRegistry
+print("BACKEND", getattr(ATTENTION_BACKENDS.get("atom"), "__module__", None), "atom" in ATTENTION_BACKEND_CHOICES)
+for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM"):
+    cls = ModelRegistry.models[arch]
+    print("MODEL", arch, cls.__module__, cls.__name__)
+"""
+
+
+def _probe(**env):
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=sglang_env(**env), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return proc.stdout
+
+
+def test_entry_point_is_installed():
+    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert eps.get("atom") == "atom.plugin.sglang.register:register"
+
+
+def test_entry_point_registers_backend_and_models():
+    out = _probe()
+    assert "BACKEND atom.plugin.sglang.register True" in out
+    for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM"):
+        assert f"MODEL {arch} atom.plugin.sglang.model_wrapper {arch}" in out
+    assert "MODEL MixtralForCausalLM sglang.srt.models.mixtral MixtralForCausalLM" in out  # not in the table for SGLang
+
+
+def test_off_on_cpu_by_default():
+    """As under vLLM: on CPU atom's models stay SGLang's unless ATOM_ENABLE_ON_CPU=1 (the backend
+    name stays registered; asked for, it falls back to SGLang's, logged)."""
+    out = _probe(ATOM_ENABLE_ON_CPU="0")
+    assert "BACKEND atom.plugin.sglang.register True" in out
+    assert "MODEL Qwen3ForCausalLM sglang.srt.models.qwen3 Qwen3ForCausalLM" in out
+
+
+def test_switched_off_registers_nothing():
+    out = _probe(ATOM_DISABLE_SGLANG_PLUGIN="1")
+    assert "BACKEND None False" in out
+    assert "atom.plugin" not in out
+
+
+def test_decorator_members_match_sglang_base():
+    from atom.patches import REGISTRY, State, apply, revert, resolve
+    from atom.patches.signatures import shape
+    from atom.plugin import catalog
+
+    catalog.load()
+    record = REGISTRY.get("sglang.attention.mha_backend")
+    base, source = resolve(record.base), resolve(record.source)
+    for member in record.members:
+        assert shape(source.__dict__[member]) == shape(getattr(base, member)), member
+        assert (member, shape(getattr(base, member))) in record.signatures
+    from atom.plugin.sglang.attention_mha import ATOMSGLangAttnBackend
+
+    assert apply(record).state is State.APPLIED
+    try:
+        for member in record.members:
+            assert getattr(ATOMSGLangAttnBackend, member) is source.__dict__[member]
+    finally:
+        revert(record)
+    # Reverted: atom's builder as declared, SGLang's class back on its base's members.
+    for member in record.members:
+        assert getattr(ATOMSGLangAttnBackend, member) is getattr(base, member)
+
+
+@pytest.mark.parametrize("member", ["init_forward_metadata", "forward_extend"])
+def test_decorator_refused_on_a_changed_base(member, monkeypatch):
+    """A base whose member changed shape refuses the decorator (one warning), and atom's backend
+    is then not handed to SGLang."""
+    from atom.patches import REGISTRY, State, apply, resolve, revert
+    from atom.plugin import catalog
+    from atom.plugin.sglang import attention_mha
+
+    catalog.load()
+    record = REGISTRY.get("sglang.attention.mha_backend")
+    base = resolve(record.base)
+    revert(record)
+    monkeypatch.setattr(base, member, lambda self, changed: None)
+    assert apply(record).state is State.REFUSED
+    decision = attention_mha.attention_backend()
+    assert decision.value is False and "sglang.attention.mha_backend is refused" in decision.reason
+    monkeypatch.undo()
+    revert(record)
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_doctor_reports_sglang(off):
+    env = sglang_env(**({"ATOM_DISABLE_SGLANG_PLUGIN": "1"} if off else {}))
+    proc = subprocess.run([sys.executable, "-m", "atom", "doctor"], cwd="/", env=env, capture_output=True,
+                          text=True, timeout=300)
+    version = importlib.metadata.version("sglang")
+    if off:
+        assert proc.returncode == 1, proc.stdout[-2000:]
+        assert f"SGLang: {version}; atom stays off (disabled by ATOM_DISABLE_SGLANG_PLUGIN=1)" in proc.stdout
+    else:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"SGLang: {version}; atom activates" in proc.stdout
+        assert "models: Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM" in proc.stdout
+        assert "attention: atom (atom MHA backend; with --attention-backend atom)" in proc.stdout
+        assert "sglang.attention.mha_backend: applied" in proc.stdout
