@@ -18,8 +18,11 @@ This script, on a machine that reaches PyPI:
 Why these choices:
   * transformers 5.17 (the image's) fails SGLang's import ('qwen3_asr' is already used by a
     Transformers config): 5.12.1 with tokenizers 0.22.2 is carried and shadows it;
-  * flashinfer-python is imported at module level by SGLang's sampler on CUDA; its kernels are
-    JIT-compiled and never used with ``--sampling-backend pytorch`` (greedy), which the bench uses;
+  * flashinfer-python is imported at module level by SGLang's sampler on CUDA, and stock SGLang's
+    RMSNorm on CUDA (sgl_kernel.rmsnorm) is flashinfer's JIT-compiled norm: its JIT sources and
+    headers (``flashinfer/data``, 76 MiB unpacked) are carried (the first H100 run without them
+    failed in stock's first forward: ``norm.cu ... missing``), and the GPU machine compiles them
+    on first use;
   * the dependency list is the closure that SGLang's CPU engine imports in atom's SGLang test
     environment (requirements/sglang-cpu.txt) minus the image's packages, plus what the CUDA path
     adds (the kernel package, flashinfer and their pure-Python dependencies).
@@ -99,13 +102,13 @@ CARRY = {
     "nvidia-ml-py==13.590.48": "sgl_kernel / flashinfer device queries",
     "tabulate==0.9.0": "flashinfer",
     "wrapt==2.5.2": "atom",
+    "opentelemetry-api==1.45.2": "SGLang's engine and scheduler (imported at module level; found missing on the H100)",
 }
 
 STRIP = [
     "sgl_kernel/flash_ops.abi3.so",  # FlashAttention 3 (1.1 GB): stock SGLang runs `triton` here
     "sgl_kernel/sm100",  # Blackwell ops
     "sgl_kernel/flashmla_ops.abi3.so",  # MLA (imported lazily by sgl_kernel.flash_mla only)
-    "flashinfer/data",  # JIT sources and headers (76 MiB): only read when a kernel is compiled
     "bin",
 ]
 
