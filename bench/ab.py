@@ -90,6 +90,15 @@ class Clocks:
             self._proc.terminate()
 
 
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out[0] if out else "unknown"
+
+
 def bootstrap_ratio(a: list[float], b: list[float], n: int = 4000, seed: int = 0) -> tuple[float, float, float]:
     """(ratio of medians a/b, 2.5th and 97.5th percentiles over bootstrap resamples of each)."""
     rng = random.Random(seed)
@@ -179,7 +188,7 @@ def main(argv: list[str]) -> int:
             proc.stdin.close()
             proc.terminate()
     ref = order[0]
-    record: dict[str, Any] = {
+    record: dict[str, Any] = {"gpu": gpu_name(),
         "label": args.label, "model": args.model, "in": args.in_len, "out": args.out_len, "conc": args.conc,
         "rounds": args.rounds, "window_s": args.window, "launches_per_side": 1, "reference": ref,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sides": {},

@@ -19,6 +19,22 @@ import sys
 import time
 
 
+def versions() -> dict:
+    """The packages this side ran (atom: the version and where it was imported from)."""
+    import importlib
+
+    out = {}
+    for name in ("vllm", "torch", "triton", "atom"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        out[name] = getattr(mod, "__version__", "?")
+        if name == "atom":
+            out["atom_from"] = os.path.dirname(os.path.dirname(mod.__file__ or ""))
+    return out
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     # apply_model ships a function to vLLM's engine process (its default multi-process engine):
@@ -33,7 +49,9 @@ def main(argv: list[str]) -> int:
         impls = sorted({type(m.impl).__name__ for _, m in model.named_modules() if hasattr(m, "impl")})
         return {"model_class": f"{type(model).__module__}.{type(model).__qualname__}", "attention_impls": impls}
 
-    print("READY " + json.dumps(llm.apply_model(facts)[0]), flush=True)
+    ran = llm.apply_model(facts)[0]
+    ran["versions"] = versions()
+    print("READY " + json.dumps(ran), flush=True)
     vocab = int(spec["vocab"])
     params = SamplingParams(temperature=0.0, max_tokens=spec["out_len"], ignore_eos=True)
     for line in sys.stdin:

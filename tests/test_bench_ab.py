@@ -53,3 +53,5 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     assert atom["agreement"] == 1.0  # fp32 greedy on identical prompts
     assert atom["ratio_ci_low"] <= atom["ratio"] <= atom["ratio_ci_high"]
     assert "atom attention backend ATOMAttentionBackend selected" in atom["kernel_log_lines"]
+    assert stock["facts"]["versions"]["vllm"] == atom["facts"]["versions"]["vllm"] and "gpu" in record
+    assert atom["facts"]["versions"]["atom_from"]

@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""bench/results/latest.json: the speed protocol's current numbers, and the docs table made from it.
+
+    python bench/latest.py            # exit 1 (and say what) when latest.json or the docs table is stale
+    python bench/latest.py --write    # rebuild latest.json from RECORDS, regenerate the docs table
+
+``RECORDS`` names the bench/ab.py JSON records that are current. Records of the same cell (model
+label, input/output length, concurrency) and the same sides are pooled: every measurement window
+of every launch counts, the ratio is the ratio of pooled medians to the reference side with a
+bootstrap 95% interval over the windows (bench/ab.py's), and ``launches_per_side`` says how many
+engine launches contributed. Older records lack the GPU and package versions; a RECORDS entry
+supplies them (``assumed``) and latest.json says which fields were supplied that way.
+
+The table between the markers in docs/performance.md is generated from latest.json
+(tests/test_bench_latest.py keeps both in sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from ab import bootstrap_ratio, verdict  # noqa: E402  (bench/ modules are imported as scripts)
+
+LATEST = REPO / "bench" / "results" / "latest.json"
+DOC = REPO / "docs" / "performance.md"
+BEGIN = "<!-- generated from bench/results/latest.json by bench/latest.py: begin -->"
+END = "<!-- generated from bench/results/latest.json by bench/latest.py: end -->"
+
+_H100_0_26 = {"gpu": "NVIDIA H100 80GB HBM3",
+              "versions": {"vllm": "0.26.0", "torch": "2.11.0+cu130", "triton": "3.6.0"}}
+#: The current records (paths relative to the repository) and what older records did not store.
+RECORDS: list[dict[str, Any]] = [
+    {"path": "bench/results/h100_2026-11-24/ab_dense.json", "assumed": _H100_0_26},
+    {"path": "bench/results/h100_2026-11-24/ab_moe.json", "assumed": _H100_0_26},
+    {"path": "bench/results/h100_2026-11-24/ab_moe_run2.json", "assumed": _H100_0_26},
+    {"path": "bench/results/h100_2026-11-24/ab_mla.json", "assumed": _H100_0_26},
+]
+
+
+def _cell(rec: dict) -> str:
+    return f"{rec['in']}/{rec['out']}@{rec['conc']}"
+
+
+def _facts(rec: dict, entry: dict) -> tuple[str, dict, list[str]]:
+    """(gpu, versions, names of fields taken from the RECORDS entry) of one record."""
+    assumed = entry.get("assumed", {})
+    supplied = []
+    gpu = rec.get("gpu")
+    if not gpu:
+        gpu, supplied = assumed.get("gpu", "unknown"), supplied + ["gpu"]
+    ref = rec["sides"][rec["reference"]]
+    versions = {k: v for k, v in ref["facts"].get("versions", {}).items() if k != "atom_from"}
+    if not versions:
+        versions, supplied = dict(assumed.get("versions", {})), supplied + ["versions"]
+    return gpu, versions, supplied
+
+
+def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dict[str, Any]:
+    """latest.json's content from the records (pooled per cell and set of sides)."""
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for entry in RECORDS if records is None else records:
+        rec = json.loads((root / entry["path"]).read_text())
+        key = (rec["label"] or rec["model"], _cell(rec), rec["reference"], tuple(rec["sides"]))
+        groups.setdefault(key, []).append((rec, entry))
+    cells = []
+    for (label, cell, ref, names), members in groups.items():
+        facts = [_facts(rec, entry) for rec, entry in members]
+        if len({(g, json.dumps(v, sort_keys=True)) for g, v, _ in facts}) > 1:
+            raise ValueError(f"{label} {cell}: records from different GPUs or versions cannot be pooled: "
+                             f"{[e['path'] for _, e in members]}")
+        gpu, versions, _ = facts[0]
+        windows = {n: [t for rec, _ in members for t in rec["sides"][n]["tok_s"]] for n in names}
+        sides = {}
+        for n in names:
+            last = members[-1][0]["sides"][n]
+            side = {
+                "median_tok_s": round(statistics.median(windows[n]), 1),
+                "windows": len(windows[n]),
+                "model_class": last["facts"].get("model_class"),
+                "attention_impls": last["facts"].get("attention_impls"),
+                "kernel_log_lines": sorted({k for rec, _ in members for k in rec["sides"][n]["kernel_log_lines"]}),
+                "throttled_windows": sum(rec["sides"][n]["throttled_windows"] for rec, _ in members),
+            }
+            if n != ref:
+                point, low, high = bootstrap_ratio(windows[n], windows[ref])
+                side.update(ratio=round(point, 4), ratio_ci_low=round(low, 4), ratio_ci_high=round(high, 4),
+                            verdict=verdict(low, high))
+            sides[n] = side
+        cells.append({
+            "model": label, "cell": cell, "reference": ref, "gpu": gpu, "versions": versions,
+            "dates": sorted(rec["date"] for rec, _ in members),
+            "launches_per_side": sum(rec.get("launches_per_side", 1) for rec, _ in members),
+            "window_s_min": min(rec["window_s"] for rec, _ in members),
+            "assumed_fields": sorted({f for _, _, s in facts for f in s}),
+            "sources": [entry["path"] for _, entry in members],
+            "sides": sides,
+        })
+    return {"protocol": "bench/ab.py: sides alive at once on one GPU, interleaved windows, ratio of medians "
+                        "with a bootstrap 95% interval; win only when the low end is above 1",
+            "cells": cells}
+
+
+def render(latest: dict[str, Any]) -> str:
+    """The markdown table for docs/performance.md (between BEGIN and END)."""
+    lines = ["| model | cell IN/OUT@C | side | tok/s (median) | vs reference [95% CI] | verdict | launches x windows "
+             "| throttled windows | model class / attention | GPU, vLLM | dates |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in latest["cells"]:
+        for n, s in c["sides"].items():
+            vs = (f"{s['ratio']:.2f}x [{s['ratio_ci_low']:.2f}, {s['ratio_ci_high']:.2f}]" if "ratio" in s
+                  else "(reference)")
+            ran = f"{(s['model_class'] or '?').rsplit('.', 1)[-1]} / {', '.join(s['attention_impls'] or [])}"
+            lines.append(
+                f"| {c['model']} | {c['cell']} | {n} | {s['median_tok_s']:,.0f} | {vs} | {s.get('verdict', '-')} "
+                f"| {c['launches_per_side']} x {s['windows']} | {s['throttled_windows']} | {ran} "
+                f"| {c['gpu']}, {c['versions'].get('vllm', '?')} | {', '.join(d[:10] for d in sorted(set(c['dates'])))} |")
+    return "\n".join(lines)
+
+
+def spliced(doc: str, table: str) -> str:
+    if BEGIN not in doc or END not in doc:
+        raise ValueError(f"{DOC} lacks the markers {BEGIN!r} / {END!r}")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+
+
+def dumps(latest: dict[str, Any]) -> str:
+    return json.dumps(latest, indent=1, sort_keys=True) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--write", action="store_true")
+    args = p.parse_args(argv)
+    latest = build()
+    doc = spliced(DOC.read_text(), render(latest))
+    if args.write:
+        LATEST.write_text(dumps(latest))
+        DOC.write_text(doc)
+        print(f"wrote {LATEST.relative_to(REPO)} ({len(latest['cells'])} cells) and the table in {DOC.relative_to(REPO)}")
+        return 0
+    stale = [str(f.relative_to(REPO)) for f, want in ((LATEST, dumps(latest)), (DOC, doc))
+             if not f.exists() or f.read_text() != want]
+    if stale:
+        print(f"stale: {', '.join(stale)}: run python bench/latest.py --write")
+        return 1
+    print("latest.json and the docs table are up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

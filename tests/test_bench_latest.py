@@ -1,0 +1,61 @@
+"""bench/latest.py: bench/results/latest.json and the generated table in docs/performance.md stay in
+sync with the records they are built from; runs of one cell pool their windows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests._bench import load_bench
+
+latest = load_bench("latest")
+
+
+def test_latest_json_and_the_docs_table_are_in_sync_with_the_records():
+    built = latest.build()
+    assert latest.LATEST.read_text() == latest.dumps(built), "run: python bench/latest.py --write"
+    doc = latest.DOC.read_text()
+    assert latest.spliced(doc, latest.render(built)) == doc, "run: python bench/latest.py --write"
+
+
+def test_every_cell_says_what_the_protocol_asks_for():
+    for cell in json.loads(latest.LATEST.read_text())["cells"]:
+        assert cell["gpu"] and cell["versions"].get("vllm") and cell["dates"] and cell["launches_per_side"] >= 1
+        ref = cell["sides"][cell["reference"]]
+        assert "ratio" not in ref
+        for name, side in cell["sides"].items():
+            assert side["model_class"] and side["attention_impls"] and "throttled_windows" in side
+            if name != cell["reference"]:
+                assert side["ratio_ci_low"] <= side["ratio"] <= side["ratio_ci_high"]
+                assert side["verdict"] == latest.verdict(side["ratio_ci_low"], side["ratio_ci_high"])
+
+
+def _record(tok_stock, tok_atom, date, **extra):
+    def side(tok, cls):
+        return {"tok_s": tok, "throttled_windows": 0, "kernel_log_lines": [],
+                "facts": {"model_class": cls, "attention_impls": ["X"], **extra}}
+    return {"label": "m", "model": "/m", "in": 8, "out": 8, "conc": 2, "rounds": len(tok_stock), "window_s": 1.0,
+            "launches_per_side": 1, "reference": "stock", "date": date,
+            "sides": {"stock": side(tok_stock, "a.Stock"), "atom": side(tok_atom, "b.Atom")}}
+
+
+def test_runs_of_one_cell_pool_their_windows_and_missing_facts_come_from_the_entry(tmp_path):
+    (tmp_path / "r1.json").write_text(json.dumps(_record([100, 101, 99], [110, 111, 112], "2026-01-01")))
+    (tmp_path / "r2.json").write_text(json.dumps(_record([100, 100, 102], [112, 109, 111], "2026-01-02")))
+    assumed = {"gpu": "G", "versions": {"vllm": "0.26.0"}}
+    out = latest.build([{"path": "r1.json", "assumed": assumed}, {"path": "r2.json", "assumed": assumed}],
+                       root=tmp_path)
+    (cell,) = out["cells"]
+    assert cell["launches_per_side"] == 2 and cell["sides"]["atom"]["windows"] == 6
+    assert cell["sides"]["stock"]["median_tok_s"] == 100.0 and cell["sides"]["atom"]["median_tok_s"] == 111.0
+    assert cell["sides"]["atom"]["ratio"] == pytest.approx(1.11) and cell["sides"]["atom"]["verdict"] == "win"
+    assert cell["gpu"] == "G" and cell["assumed_fields"] == ["gpu", "versions"]
+    assert "| m | 8/8@2 | atom | 111 | 1.11x [" in latest.render(out)
+
+
+def test_records_of_different_versions_are_not_pooled(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({**_record([1, 1], [1, 1], "d", versions={"vllm": "0.26.0"}), "gpu": "G"}))
+    (tmp_path / "b.json").write_text(json.dumps({**_record([1, 1], [1, 1], "d", versions={"vllm": "0.32.0"}), "gpu": "G"}))
+    with pytest.raises(ValueError, match="cannot be pooled"):
+        latest.build([{"path": "a.json"}, {"path": "b.json"}], root=tmp_path)
