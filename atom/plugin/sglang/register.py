@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from atom import _distribution, envs
 from atom._logging import get_logger, info_once, warn_once
-from atom.plugin import Decision
+from atom.plugin import Decision, overrides_on
 from atom.plugin.sglang.compat import BACKEND_NAME, SUPPORTED_SGLANG
 
 logger = get_logger("atom.plugin")
@@ -49,18 +49,12 @@ def activation() -> Decision:
 
 
 def overrides_in_effect() -> Decision:
-    """Decision(use atom's models and attention backend?, reason). As under vLLM, off on CPU
-    unless ATOM_ENABLE_ON_CPU=1: there atom's kernels are the torch reference (a correctness
-    path), slower than SGLang's own. Shared by the model overrides, the attention decision and
-    doctor."""
+    """Decision(use atom's models and attention backend?, reason): :func:`atom.plugin.overrides_on`
+    for this machine (SGLang serves on a GPU when torch sees one). Shared by the model overrides,
+    the attention decision and doctor."""
     import torch
 
-    if torch.cuda.is_available():
-        return Decision(True, "on")
-    if envs.ATOM_ENABLE_ON_CPU:
-        return Decision(True, "on (ATOM_ENABLE_ON_CPU=1)")
-    return Decision(False, "off on CPU: atom has no fast path there (its CPU kernels are the torch reference); "
-                           "set ATOM_ENABLE_ON_CPU=1 to use atom's models and attention anyway")
+    return overrides_on(not torch.cuda.is_available())
 
 
 _registered = False

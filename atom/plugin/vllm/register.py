@@ -14,7 +14,7 @@ from typing import Optional
 
 from atom import _distribution, envs
 from atom._logging import get_logger, info_once, warn_once
-from atom.plugin import Decision
+from atom.plugin import Decision, overrides_on
 from atom.plugin.vllm.compat import SUPPORTED_VLLM
 
 logger = get_logger("atom.plugin")
@@ -87,14 +87,9 @@ def activation() -> Decision:
 
 
 def overrides_in_effect() -> Decision:
-    """Decision(use atom's model overrides and attention backend?, reason). Off on CPU unless
-    ATOM_ENABLE_ON_CPU=1: there atom's kernels are the torch reference (a correctness path) and
-    vLLM-CPU's own are faster, so a CPU user is not slowed down by default. Shared by
-    ``register_model``, the attention decision and doctor."""
-    if detect_device() == "cpu" and not envs.ATOM_ENABLE_ON_CPU:
-        return Decision(False, "off on CPU: atom has no fast path there (its CPU kernels are the torch "
-                               "reference); set ATOM_ENABLE_ON_CPU=1 to use atom's models and attention anyway")
-    return Decision(True, "on" if detect_device() != "cpu" else "on (ATOM_ENABLE_ON_CPU=1)")
+    """Decision(use atom's model overrides and attention backend?, reason): :func:`atom.plugin.overrides_on`
+    for the device vLLM picks. Shared by ``register_model``, the attention decision and doctor."""
+    return overrides_on(detect_device() == "cpu")
 
 
 def register_platform() -> Optional[str]:
