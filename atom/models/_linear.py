@@ -99,7 +99,7 @@ class Fp8Linear(nn.Module):
         q = self.quant
         if q is None or self.weight.dtype != FP8_DTYPE or self.fp8_gemm:
             return  # unquantised, or already processed
-        if q.block is None and scaled_mm_usable(self.weight):
+        if q.block is None and not q.dequantize and scaled_mm_usable(self.weight):
             self._repack_per_tensor()
             return
         # Weight-only: dequantise once to the activation dtype; forward is the plain F.linear.

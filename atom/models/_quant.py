@@ -51,6 +51,10 @@ class Fp8Spec:
     block: Optional[tuple[int, int]] = None
     static_activations: bool = False
     ignored: frozenset[str] = field(default_factory=frozenset)
+    #: Load fp8, then dequantise once to the activation dtype (weight-only): for a layer whose
+    #: weight is read as a plain matrix after loading (MLA's ``kv_b_proj``, which the absorbed
+    #: decode splits per head). ``dataclasses.replace(spec, dequantize=True)`` per layer.
+    dequantize: bool = False
 
     @property
     def scale_name(self) -> str:
