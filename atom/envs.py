@@ -237,6 +237,14 @@ VARIABLES: dict[str, EnvVar] = {
             _choice(*COMPILE_ELEMENTWISE), ", ".join(COMPILE_ELEMENTWISE),
         ),
         EnvVar(
+            "ATOM_FP8_W8A8_MIN_TOKENS", "int", "0",
+            "Block-scaled fp8 linears (weights stay fp8): from this many tokens per step, quantise "
+            "activations per token and 128-channel group and run the fp8 x fp8 GEMM (W8A8); below, "
+            "and always when 0, keep activations in bf16 (W8A16: the dequantised layer's numbers, "
+            "half the weight bytes).",
+            _parse_nonneg_int, "an integer >= 0",
+        ),
+        EnvVar(
             "ATOM_MLA_CONTEXT_CHUNK_TOKENS", "int", "0",
             "Tokens of cached context atom's MLA backend up-projects at a time for prefill/extend "
             "rows (its bounded workspace); 0 = sized from vLLM's config (see docs/attention.md).",

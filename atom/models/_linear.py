@@ -21,6 +21,8 @@ picks the compute path (see :mod:`atom.models._quant`).
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -29,10 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom import ops
 from atom.models._quant import (
     FP8_DTYPE,
+    PER_TENSOR_BLOCK_K,
     Fp8Spec,
     dequant_block,
+    fp8_w8a8_from,
     quantize_per_tensor,
     scaled_mm_usable,
 )
@@ -68,8 +73,11 @@ class Fp8Linear(nn.Module):
     Parameters (checkpoint names): ``weight`` fp8 ``[N, K]``; per-tensor ``weight_scale``
     ``[num_shards]`` (+ ``input_scale`` ``[num_shards]`` when static); block-scaled
     ``weight_scale_inv`` ``[ceil(N / bn), ceil(K / bk)]``. After
-    :meth:`process_weights_after_loading` either ``weight`` is dequantised (activation dtype,
-    scales dropped) or, on CUDA per-tensor, ``weight`` stays fp8 with one ``weight_scale``.
+    :meth:`process_weights_after_loading` ``weight`` stays fp8: block-scaled (and per-tensor
+    where ``torch._scaled_mm`` does not run, its scales turned into tile scales) it runs
+    :func:`atom.ops.fp8_block_gemm` (``fp8_block`` set); on CUDA per-tensor ``torch._scaled_mm``
+    with one ``weight_scale``. Only a ``quant.dequantize`` layer is dequantised (activation dtype,
+    scales dropped).
     """
 
     def _init_weight(self, out: int, inp: int, num_shards: int, quant: Optional[Fp8Spec],
@@ -77,6 +85,9 @@ class Fp8Linear(nn.Module):
         self.quant = quant
         self.act_dtype = dtype or torch.get_default_dtype()
         self.fp8_gemm = False
+        #: (block_n, block_k) once the weight stays fp8 for :func:`atom.ops.fp8_block_gemm`
+        self.fp8_block: Optional[tuple[int, int]] = None
+        self.w8a8_from: Optional[int] = None
         self.weight = _new_param(out, inp, dtype=FP8_DTYPE if quant is not None else dtype)
         if quant is None:
             return
@@ -97,12 +108,36 @@ class Fp8Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Repack an fp8 layer for its compute path (a no-op for an unquantised one)."""
         q = self.quant
-        if q is None or self.weight.dtype != FP8_DTYPE or self.fp8_gemm:
+        if q is None or self.weight.dtype != FP8_DTYPE or self.fp8_gemm or self.fp8_block is not None:
             return  # unquantised, or already processed
-        if q.block is None and not q.dequantize and scaled_mm_usable(self.weight):
+        if q.dequantize:
+            self._dequantize()
+        elif q.block is None and scaled_mm_usable(self.weight):
             self._repack_per_tensor()
-            return
-        # Weight-only: dequantise once to the activation dtype; forward is the plain F.linear.
+        elif q.block is None:
+            self._per_tensor_as_blocks()
+        else:
+            self.fp8_block = q.block
+        if self.fp8_block is not None:
+            self.w8a8_from = fp8_w8a8_from()
+            self.warm_up_kernels()
+
+    def warm_up_kernels(self, force: bool = False) -> int:
+        """Compile the block-fp8 GEMM's variants for this layer's shape now (GPU only unless
+        ``force``); 0 for other layers."""
+        if self.fp8_block is None:
+            return 0
+        return ops.warm_up_fp8_block_gemm(self.weight, self.weight_scale_inv, self.fp8_block,
+                                          act_dtype=self.act_dtype, w8a8_from=self.w8a8_from,
+                                          has_bias=self._gemm_bias() is not None, force=force)
+
+    def _gemm_bias(self) -> Optional[torch.Tensor]:
+        """The bias the GEMM itself adds (row-parallel layers add theirs after the reduction)."""
+        return getattr(self, "bias", None)
+
+    def _dequantize(self) -> None:
+        """Weight-only in the activation dtype: dequantise once; forward is the plain F.linear."""
+        q = self.quant
         if q.block is None:
             w = self.weight.float() * self._row_scales()[:, None]
         else:
@@ -111,6 +146,23 @@ class Fp8Linear(nn.Module):
         for name in ("weight_scale", "weight_scale_inv", "input_scale"):
             if name in self._parameters:
                 delattr(self, name)
+
+    def _per_tensor_as_blocks(self) -> None:
+        """Per-tensor scales where ``torch._scaled_mm`` does not run (CPU, dims off 16): the weight
+        stays fp8 and each fused shard's scale becomes a column of tile scales (tiles of
+        ``gcd(shard rows) x 128``), so the block-scaled GEMM runs it unchanged (W8A16; a static
+        ``input_scale`` is not needed without activation quantisation)."""
+        rows = self._shard_rows()
+        bn = functools.reduce(math.gcd, rows)
+        n, k = self.weight.shape
+        bk = PER_TENSOR_BLOCK_K
+        per_tile = self._row_scales()[::bn].to(self.weight.device)
+        self.weight_scale_inv = nn.Parameter(per_tile[:, None].expand(n // bn, _ceil_div(k, bk)).contiguous(),
+                                             requires_grad=False)
+        for name in ("weight_scale", "input_scale"):
+            if name in self._parameters:
+                delattr(self, name)
+        self.fp8_block = (bn, bk)
 
     def _row_scales(self) -> torch.Tensor:
         """Per-tensor: the scale of each output row (its fused matrix's scale)."""
@@ -133,6 +185,11 @@ class Fp8Linear(nn.Module):
         self.fp8_gemm = True
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.fp8_block is not None:
+            shape = x.shape
+            y = ops.fp8_block_gemm(x.reshape(-1, shape[-1]), self.weight, self.weight_scale_inv, self.fp8_block,
+                                   bias=bias, w8a8_from=self.w8a8_from)
+            return y.reshape(*shape[:-1], y.shape[-1])
         if not self.fp8_gemm:
             if self.weight.dtype == FP8_DTYPE:
                 raise RuntimeError("fp8 layer used before process_weights_after_loading() repacked it")
@@ -321,6 +378,9 @@ class RowParallelLinear(Fp8Linear):
             _copy_into(self.weight_scale_inv.data, loaded.narrow(1, start // bk, cols), param_name)
             return
         _copy_into(self.weight.data, loaded.narrow(1, start, self.local_input_size), "weight")
+
+    def _gemm_bias(self) -> Optional[torch.Tensor]:
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)

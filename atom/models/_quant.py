@@ -37,8 +37,12 @@ from typing import Any, Optional
 
 import torch
 
+from atom.ops.fp8_gemm import dequant_block_fp8
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+#: Tile width along K when per-tensor scales are expressed as tile scales (Fp8Linear).
+PER_TENSOR_BLOCK_K = 128
 
 #: ``quant_method`` values atom's models load (``quantization_config`` of the HF config).
 SUPPORTED_METHODS = ("fp8",)
@@ -111,10 +115,16 @@ def layer_spec(spec: Optional[Fp8Spec], prefix: str, checkpoint_names: Iterable[
 
 def dequant_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """fp8 ``[..., N, K]`` with per-tile ``scale [..., ceil(N/bn), ceil(K/bk)]`` -> float32."""
-    bn, bk = block
-    n, k = weight.shape[-2:]
-    s = scale.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return weight.float() * s
+    return dequant_block_fp8(weight, scale, block)
+
+
+def fp8_w8a8_from() -> Optional[int]:
+    """Batch size (tokens) from which block-fp8 linears quantise activations and run the fp8 x
+    fp8 GEMM (``ATOM_FP8_W8A8_MIN_TOKENS``; 0 = never, always W8A16)."""
+    from atom import envs
+
+    n = envs.ATOM_FP8_W8A8_MIN_TOKENS
+    return n or None
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ see either form.
 
 Covered: the calls atom's models make (RMSNorm with and without the fused residual add, fp8
 output included; RoPE in place; SiLU-and-mul; softmax and grouped-sigmoid top-k routing; fused MoE
-with expert biases and either activation). An op without a graph form is traced as it is (fine for pure-torch code; otherwise Dynamo reports where it
+with expert biases and either activation; the block-scaled fp8 linear). An op without a graph form is traced as it is (fine for pure-torch code; otherwise Dynamo reports where it
 stopped). Each node's real implementation returns fresh tensors (never an input or a view of one),
 and declares the inputs it writes (``mutates_args``), as ``torch.library`` requires.
 
@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from atom.ops.activation import SILU_AND_MUL
+from atom.ops.fp8_gemm import fp8_block_gemm
 from atom.ops.moe import fused_moe
 from atom.ops.moe_routing import grouped_topk_sigmoid, topk_softmax
 from atom.ops.rmsnorm import RMS_NORM
@@ -205,4 +206,27 @@ def _fused_moe_graph(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13
                                  None if block_shape is None else [int(b) for b in block_shape],
                                  w13_bias, w2_bias, str(activation), float(swiglu_alpha),
                                  None if swiglu_limit is None else float(swiglu_limit))
+    return y if out is None else out.copy_(y)
+
+
+# -- fp8 block-scaled linear ------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::fp8_block_gemm", mutates_args=())
+def _fp8_block_gemm_node(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_shape: list[int],
+                         x_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                         out_dtype: Optional[torch.dtype] = None, w8a8_from: Optional[int] = None) -> torch.Tensor:
+    y = fp8_block_gemm(x, weight, weight_scale, block_shape, x_scale=x_scale, bias=bias, out_dtype=out_dtype,
+                       w8a8_from=w8a8_from)
+    return _fresh(y, (x, weight, weight_scale))
+
+
+@_fp8_block_gemm_node.register_fake
+def _(x, weight, weight_scale, block_shape, x_scale=None, bias=None, out_dtype=None, w8a8_from=None):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
+
+
+@fp8_block_gemm.graph
+def _fp8_block_gemm_graph(x, weight, weight_scale, block_shape, *, x_scale=None, bias=None, out_dtype=None,
+                          out=None, w8a8_from=None):
+    y = torch.ops.atom.fp8_block_gemm(x, weight, weight_scale, [int(b) for b in block_shape], x_scale, bias,
+                                      out_dtype, None if w8a8_from is None else int(w8a8_from))
     return y if out is None else out.copy_(y)

@@ -76,10 +76,9 @@ def _qdq(x: torch.Tensor, group: int) -> torch.Tensor:
 def dequant_block_fp8_torch(w: torch.Tensor, scale: torch.Tensor,
                             block_shape: Sequence[int]) -> torch.Tensor:
     """fp8 ``w [E, N, K]`` with ``scale [E, ceil(N/bn), ceil(K/bk)]`` -> float32 weights."""
-    bn, bk = int(block_shape[0]), int(block_shape[1])
-    n, k = w.shape[-2:]
-    s = scale.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return w.float() * s
+    from atom.ops.fp8_gemm import dequant_block_fp8
+
+    return dequant_block_fp8(w, scale, block_shape)
 
 
 def gated_activation_torch(h: torch.Tensor, activation: str = "silu", swiglu_alpha: float = 1.702,

@@ -1,0 +1,253 @@
+"""Triton kernels for :func:`atom.ops.fp8_gemm.fp8_block_gemm` (imported lazily).
+
+One GEMM kernel, tiled ``BLOCK_M x BLOCK_N`` over the output with a ``BLOCK_K`` loop that never
+straddles a weight-scale column (``BLOCK_K`` divides ``block_k``), so each K step is one
+``tl.dot`` on raw fp8 (W8A8) or register-converted fp8 (W8A16) tiles, scaled in fp32 by the
+tile's weight scale (and the activations' group scale) as it is accumulated.
+
+Configurations by batch size ``M`` (:func:`gemm_config`):
+
+* ``M <= 16`` (decode): weight streaming. 16-row tiles; the product is computed transposed
+  (``SWAP_AB``: ``W @ x.T``) so the weight tile is the wide MMA operand; when the output has
+  too few column tiles to occupy every SM, the K loop is split over programs (split-K) whose
+  fp32 partial sums a second kernel adds (with the bias) into the output.
+* ``M <= 64``: 64-row tiles, still split-K when the grid is small.
+* larger: 64 x 128 and 128 x 128 tiles, grouped so neighbouring programs share weight tiles in L2.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from atom.ops._common import FP8_DTYPE
+from atom.ops._dispatch import triton_interpreting
+from atom.ops.common_triton import dot_flags
+
+
+@triton.jit
+def _tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row blocks walk the same weight columns while they are in L2."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _fp8_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, split_k,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym, stride_ys,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, GROUP_M: tl.constexpr,
+    A_FP8: tl.constexpr, ADD_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = _tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, split_k)
+    kt0 = pid_k * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (kt0 * BLOCK_K + offs_k)[:, None]
+    ws_ptrs = ws_ptr + (offs_n // SCALE_BN) * stride_wsn
+    xs_ptrs = xs_ptr + offs_m * stride_xsm
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        k0 = kt * BLOCK_K
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        sw = tl.load(ws_ptrs + k0 // SCALE_BK, mask=nmask, other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        elif not A_FP8:
+            w = w.to(x.dtype)
+        if SWAP_AB:
+            part = tl.dot(tl.trans(w), tl.trans(x), input_precision=PREC)
+            if A_FP8:
+                sx = tl.load(xs_ptrs + k0 // SCALE_BK, mask=mmask, other=0.0)
+                acc += part * (sw[:, None] * sx[None, :])
+            else:
+                acc += part * sw[:, None]
+        else:
+            part = tl.dot(x, w, input_precision=PREC)
+            if A_FP8:
+                sx = tl.load(xs_ptrs + k0 // SCALE_BK, mask=mmask, other=0.0)
+                acc += part * (sx[:, None] * sw[None, :])
+            else:
+                acc += part * sw[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if ADD_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
+                        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    total = M * N
+    mask = offs < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+    m = offs // N
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    warps: int
+    stages: int
+    swap_ab: bool
+    split_k: int = 1
+
+
+#: Upper M of each configuration bucket (the last one is open-ended).
+M_BUCKETS = (16, 64, 256)
+#: Split the K loop until the grid has this many programs per SM (small-M buckets only).
+SPLIT_K_PROGRAMS_PER_SM = 1
+#: Each split keeps at least this many K steps.
+SPLIT_K_MIN_STEPS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: small grids, still exercising split-K
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def bucket_of(m: int) -> int:
+    """Index of ``m``'s configuration bucket (one compiled variant each)."""
+    for i, top in enumerate(M_BUCKETS):
+        if m <= top:
+            return i
+    return len(M_BUCKETS)
+
+
+def gemm_config(m: int, n: int, k: int, block_k: int, a_fp8: bool, sms: int) -> GemmConfig:
+    """The tile configuration for an ``m x n x k`` product (see the module docstring)."""
+    bk = min(128, block_k)
+    b = bucket_of(m)
+    if b == 0:
+        cfg = GemmConfig(16, 64, bk, 1, 4, 4, True)
+    elif b == 1:
+        cfg = GemmConfig(64, 64, bk, 1, 4, 4, False)
+    elif b == 2:
+        cfg = GemmConfig(64, 128, bk if a_fp8 else min(bk, 64), 8, 4, 4, False)
+    else:
+        cfg = GemmConfig(128, 128, bk if a_fp8 else min(bk, 64), 8, 8, 3, False)
+    if b <= 1:
+        tiles = -(-n // cfg.block_n)  # one row tile in these buckets
+        steps = -(-k // cfg.block_k)
+        split = 1
+        while tiles * split < SPLIT_K_PROGRAMS_PER_SM * sms and steps // (split * 2) >= SPLIT_K_MIN_STEPS:
+            split *= 2
+        cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.warps, cfg.stages,
+                         cfg.swap_ab, split)
+    return cfg
+
+
+def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       block_shape: tuple[int, int], *, x_scale: Optional[torch.Tensor],
+                       bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+                       out: Optional[torch.Tensor] = None,
+                       config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """``x [M, K]`` (float, or fp8 with ``x_scale``) times block-scaled fp8 ``weight [N, K]``."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+    a_fp8 = x.dtype == FP8_DTYPE
+    cfg = config or gemm_config(m, n, k, block_shape[1], a_fp8, num_sms(x.device))
+    upcast = triton_interpreting()
+    _, prec = dot_flags(torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
+    split = cfg.split_k
+    if split > 1:
+        target = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        stride_ys, stride_ym = m * n, n
+    else:
+        target, stride_ys, stride_ym = out, 0, out.stride(0)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    xs = x_scale if x_scale is not None else weight_scale  # unused pointer when not A_FP8
+    _fp8_gemm_kernel[grid](
+        x, xs, weight, weight_scale, bias if bias is not None else weight_scale, target, m, n, k, split,
+        x.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0), stride_ym, stride_ys,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SCALE_BN=block_shape[0], SCALE_BK=block_shape[1], GROUP_M=cfg.group_m,
+        A_FP8=a_fp8, ADD_BIAS=bias is not None and split == 1, SWAP_AB=cfg.swap_ab,
+        EVEN_K=k % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    if split > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else target, out, m, n, out.stride(0),
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+    return out
+
+
+def warm_up_sizes(w8a8_from: Optional[int]) -> list[int]:
+    """One batch size per configuration bucket (each bucket is one compiled variant), and the
+    first W8A8 size."""
+    sizes = {1, *(top + 1 for top in M_BUCKETS)}
+    if w8a8_from is not None:
+        sizes = {s for s in sizes if s < w8a8_from} | {w8a8_from, max(w8a8_from, M_BUCKETS[-1] + 1)}
+    return sorted(sizes)
+
+
+def warm_up(weight: torch.Tensor, weight_scale: torch.Tensor, block_shape: tuple[int, int],
+            act_dtype: torch.dtype, w8a8_from: Optional[int], has_bias: bool) -> int:
+    """Launch the kernels once per :func:`warm_up_sizes` size on zeros (Triton compiles now, not
+    inside the first served batch or a CUDA-graph capture). Returns the launches made."""
+    from atom.ops.fp8_gemm import fp8_block_gemm
+
+    n, k = weight.shape
+    bias = torch.zeros(n, dtype=act_dtype, device=weight.device) if has_bias else None
+    sizes = warm_up_sizes(w8a8_from)
+    for m in sizes:
+        x = torch.zeros(m, k, dtype=act_dtype, device=weight.device)
+        fp8_block_gemm.run("triton", x, weight, weight_scale, block_shape, bias=bias, w8a8_from=w8a8_from)
+    return len(sizes)
