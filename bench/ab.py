@@ -127,7 +127,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--side", action="append", required=True, help="NAME:KEY=VALUE,... (the first is the reference)")
     p.add_argument("--in", dest="in_len", type=int, default=128)
     p.add_argument("--out", dest="out_len", type=int, default=128)
-    p.add_argument("--conc", type=int, default=32)
+    p.add_argument("--conc", default="32", help="concurrency, or a comma list: one cell each, the same "
+                   "engines, interleaved within every round; --json then gets a _c<C> suffix per cell")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--window", type=float, default=20.0)
     p.add_argument("--gpu-util", type=float, default=0.28)
@@ -139,7 +140,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
     sides = [parse_side(s) for s in args.side]
-    spec = {"model": args.model, "gpu_util": args.gpu_util, "conc": args.conc, "in_len": args.in_len,
+    concs = [int(c) for c in str(args.conc).split(",")]
+    spec = {"model": args.model, "gpu_util": args.gpu_util, "conc": max(concs), "in_len": args.in_len,
             "out_len": args.out_len, "vocab": args.vocab, "engine": json.loads(args.engine),
             "max_model_len": args.max_model_len or args.in_len + args.out_len + 16}
     logdir = Path(args.logdir)
@@ -165,35 +167,49 @@ def main(argv: list[str]) -> int:
     print(f"[ab] {len(sides)} sides ready after {time.time() - t_start:.0f} s: {facts}", flush=True)
     clocks = Clocks()
     clocks.start()
-    results: dict[str, list[dict]] = {name: [] for name, _ in sides}
+    results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name, _ in sides} for c in concs}
     order = [name for name, _ in sides]
     try:
         for r in range(args.rounds):
-            for name in order[r % len(order):] + order[: r % len(order)]:
-                t0 = time.time()
-                procs[name].stdin.write(json.dumps({"seed": 1000 * r, "seconds": args.window}) + "\n")
-                procs[name].stdin.flush()
-                line = next((ln for ln in procs[name].stdout if ln.startswith("RESULT ")), None)
-                if line is None:
-                    raise SystemExit(f"side {name} died: {logs[name].read_text()[-3000:]}")
-                res = json.loads(line[7:])
-                res["clocks"] = clocks.window(t0, time.time())
-                results[name].append(res)
-                print(f"[ab] round {r + 1} {name:<10} {res['tok_s']:9.0f} tok/s over {res['seconds']:5.1f} s "
-                      f"({res['batches']} batches) sm {res['clocks'].get('sm_mhz_median')} MHz "
-                      f"throttled {res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
+            for conc in concs:
+                for name in order[r % len(order):] + order[: r % len(order)]:
+                    t0 = time.time()
+                    procs[name].stdin.write(json.dumps({"seed": 1000 * r, "seconds": args.window, "conc": conc}) + "\n")
+                    procs[name].stdin.flush()
+                    line = next((ln for ln in procs[name].stdout if ln.startswith("RESULT ")), None)
+                    if line is None:
+                        raise SystemExit(f"side {name} died: {logs[name].read_text()[-3000:]}")
+                    res = json.loads(line[7:])
+                    res["clocks"] = clocks.window(t0, time.time())
+                    results[conc][name].append(res)
+                    print(f"[ab] round {r + 1} C={conc} {name:<10} {res['tok_s']:9.0f} tok/s over {res['seconds']:5.1f} s "
+                          f"({res['batches']} batches) sm {res['clocks'].get('sm_mhz_median')} MHz "
+                          f"throttled {res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
     finally:
         clocks.stop()
         for proc in procs.values():
             proc.stdin.close()
             proc.terminate()
+    for conc in concs:
+        record = _record(args, sides, order, conc, results[conc], facts, logs)
+        if args.json:
+            path = Path(args.json)
+            if len(concs) > 1:
+                path = path.with_name(f"{path.stem}_c{conc}{path.suffix}")
+            path.write_text(json.dumps(record, indent=2))
+    return 0
+
+
+def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[str, list[dict]],
+            facts: dict, logs: dict) -> dict[str, Any]:
+    """One cell's record (and its lines on stdout)."""
     ref = order[0]
     record: dict[str, Any] = {"gpu": gpu_name(),
-        "label": args.label, "model": args.model, "in": args.in_len, "out": args.out_len, "conc": args.conc,
+        "label": args.label, "model": args.model, "in": args.in_len, "out": args.out_len, "conc": conc,
         "rounds": args.rounds, "window_s": args.window, "launches_per_side": 1, "reference": ref,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sides": {},
     }
-    print(f"\n{args.label or args.model}: {args.in_len}/{args.out_len} at C={args.conc}, {args.rounds} interleaved "
+    print(f"\n{args.label or args.model}: {args.in_len}/{args.out_len} at C={conc}, {args.rounds} interleaved "
           f"rounds of >= {args.window:.0f} s per side")
     for name, _ in sides:
         tok = [x["tok_s"] for x in results[name]]
@@ -213,8 +229,7 @@ def main(argv: list[str]) -> int:
                      f"first-token agreement {side['agreement']:.1%}")
         print(line + f"  throttled windows {side['throttled_windows']}/{len(tok)}  {facts[name]}")
         record["sides"][name] = side
-    if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2))
+    return record
     return 0
 
 

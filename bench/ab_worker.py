@@ -4,7 +4,7 @@
     python bench/ab_worker.py SPEC_JSON        (started by bench/ab.py, one process per side)
 
 Builds ``vllm.LLM`` from the spec, prints ``READY {facts}``, then reads one JSON command per line
-on stdin: ``{"seed": S, "seconds": W}`` runs batches of ``conc`` fresh random prompts (seeded
+on stdin: ``{"seed": S, "seconds": W[, "conc": C]}`` runs batches of ``conc`` fresh random prompts (seeded
 ``S``, ``S+1``, ...) of ``in_len`` tokens x ``out_len`` new tokens, greedy, ``ignore_eos``, until
 ``W`` seconds have passed, and prints ``RESULT {...}``: output tokens, seconds, tok/s, batches,
 and the first 32 tokens of the first 8 prompts of the first batch (for agreement across sides).
@@ -57,11 +57,12 @@ def main(argv: list[str]) -> int:
     for line in sys.stdin:
         cmd = json.loads(line)
         seed, deadline = int(cmd["seed"]), float(cmd["seconds"])
+        conc = int(cmd.get("conc", spec["conc"]))  # at most the engine's max_num_seqs
         tokens, elapsed, batches, first = 0, 0.0, 0, None
         while elapsed < deadline or batches == 0:
             rng = random.Random(seed + batches)
             prompts = [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(spec["in_len"])]}
-                       for _ in range(spec["conc"])]
+                       for _ in range(conc)]
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed += time.perf_counter() - start

@@ -139,6 +139,50 @@ def checkpoint_shapes(shapes: dict[str, tuple]) -> dict[str, tuple]:
     return out
 
 
+def quantize_block_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> dict:
+    """A copy of checkpoint ``src`` in HF's block-fp8 format (``weight`` float8_e4m3fn +
+    ``weight_scale_inv`` per ``block`` tile, as Qwen3-FP8 / DeepSeek-V3 ship), every projection
+    of attention, MLP and experts quantised (embeddings, head, norms, routers not); on the GPU
+    when there is one. Kept when ``dst`` already holds it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from atom.testing.tiny_models import _is_quantized, quantize_fp8
+
+    if (dst / "config.json").exists():
+        return json.loads((dst / "config.json").read_text())["quantization_config"]
+    tmp = dst.with_name(dst.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+             "weight_block_size": list(block)}
+    index = {}
+    for f in sorted(src.iterdir()):
+        if f.suffix != ".safetensors":
+            if f.is_file() and f.name != "model.safetensors.index.json":
+                shutil.copy(f, tmp / f.name)
+            continue
+        out = {}
+        for name, t in load_file(str(f), device=dev).items():
+            if t.dim() == 2 and _is_quantized(name, []):
+                q, scale = quantize_fp8(t, list(block))
+                out[name], out[name.removesuffix(".weight") + ".weight_scale_inv"] = q.cpu(), scale.cpu()
+            else:
+                out[name] = t.cpu()
+        save_file(out, str(tmp / f.name), metadata={"format": "pt"})
+        index.update({n: f.name for n in out})
+    if (src / "model.safetensors.index.json").exists():
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg["quantization_config"] = quant
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tmp.rename(dst)
+    return quant
+
+
 def build_smoke_model(name: str, root: Path) -> dict:
     from atom.testing.tiny_models import VOCAB_SIZE, build
 

@@ -39,13 +39,17 @@
 #            SiLU-and-mul) then =inductor (fused by Inductor) -> $OUT/elementwise/{kernels,inductor}.{txt,json}
 #            Both: ab_profile below, bench/profile_e2e.py --side atom on FUSION_MODEL (default the
 #            `table` step's dense checkpoint), 128/128 at C=256.
+#   fp8gemm  bench/fp8_gemm.py: the block-fp8 GEMM kernel table (atom W8A16 / W8A8 vs stock's CUTLASS and
+#            DeepGEMM vs bf16 cuBLAS; FP8GEMM_ARGS, default --sweep) -> $OUT/fp8_gemm.json, .txt
 #   ab       bench/ab.py (the speed protocol: sides alive at once on the GPU, interleaved windows,
 #            bootstrap intervals, clocks) on AB_MODEL (dense | moe | mla, AB_LAYERS default 4,
 #            built under /tmp/atom-e2e-models), 128/128 at C=AB_CONC (default 32), AB_ROUNDS (5)
 #            windows of AB_WINDOW s (15). Sides: stock (atom installed, ATOM_DISABLE_VLLM_PLUGIN=1),
 #            atom (the wheel in .stage/tools, installed into /tmp/atom-new) and, when
 #            .stage/tools/old holds a wheel, old (installed into /tmp/atom-old): a before/after
-#            check of one atom change. Each side has its own compile cache. -> $OUT/ab_<model>.json, .txt
+#            check of one atom change. Each side has its own compile cache. AB_FP8=1: the checkpoint
+#            converted to 128x128 block fp8 first (bench/e2e_models.py quantize_block_fp8). AB_CONC may be
+#            a comma list (cells interleaved in the same engines). -> $OUT/ab_<model>[_c<C>].json, .txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 #   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
@@ -126,6 +130,8 @@ for step in "$@"; do
               cp /tmp/agree-work/*.log /tmp/agree-work/*.json "$OUT/agree/" 2>/dev/null; tail -40 "$OUT/agree/agree.txt" ;;
         fusion) ab_profile fusion ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION 0 1 ;;
         elementwise) ab_profile elementwise ATOM_COMPILE_ELEMENTWISE kernels inductor ;;
+        fp8gemm) timeout 560 python3 bench/fp8_gemm.py ${FP8GEMM_ARGS:---sweep} --json "$OUT/fp8_gemm.json" \
+                > "$OUT/fp8_gemm.txt" 2>&1; tail -60 "$OUT/fp8_gemm.txt" ;;
         ab) m="${AB_MODEL:-dense}"; l="${AB_LAYERS:-4}"; d="/tmp/atom-e2e-models/$m-L$l-v32000"
             for w in new old; do
                 src=.stage/tools; [ $w = old ] && src=.stage/tools/old
@@ -134,6 +140,11 @@ for step in "$@"; do
             done
             python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from e2e_models import build_model; \
                 print(build_model('$m', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02))" 2>&1 | tail -1
+            if [ "${AB_FP8:-0}" = 1 ]; then
+                python3 -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path; from e2e_models import quantize_block_fp8; \
+                    print(quantize_block_fp8(Path('$d'), Path('$d-fp8')))" 2>&1 | tail -1
+                d="$d-fp8"; m="$m-fp8"
+            fi
             sides=(--side "stock:ATOM_DISABLE_VLLM_PLUGIN=1,PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-stock"
                    --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom")
             [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")

@@ -370,9 +370,10 @@ def test_per_tensor_moe_loads_and_dequantizes(static):
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_fp8_paths_match_dequantized_reference(fp8_checkpoint, kind):
     """CUDA: per-tensor layers keep fp8 weights for torch._scaled_mm (activations quantised per
-    tensor), block-scaled experts run atom.ops.fused_moe in fp8; block-scaled dense layers are
-    dequantised at load. Logits within fp8 activation-quantisation error of the CPU weight-only
-    reference, and most greedy argmaxes equal."""
+    tensor), block-scaled experts run atom.ops.fused_moe in fp8, block-scaled dense layers keep
+    fp8 weights for atom.ops.fp8_block_gemm (Triton). Logits within fp8 activation-quantisation
+    error of the CPU weight-only reference, and most greedy argmaxes equal; block dense (W8A16,
+    no activation quantisation) within float32 summation-order error."""
     path = fp8_checkpoint(kind)
     ids = torch.tensor(mixed_prompts()[-1])
     reference = full_logits(_atom_model(path), ids)
@@ -381,10 +382,15 @@ def test_gpu_fp8_paths_match_dequantized_reference(fp8_checkpoint, kind):
         if kind == "qwen3_fp8":
             assert model.model.layers[0].self_attn.qkv_proj.fp8_gemm
             assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        if kind == "qwen3_fp8_block":
+            qkv = model.model.layers[0].self_attn.qkv_proj
+            assert qkv.fp8_block == (128, 128) and qkv.weight.dtype == torch.float8_e4m3fn
         if "moe" in kind:
             assert model.model.layers[0].mlp.experts.block_shape == (128, 128)
             assert model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
         logits = full_logits(model, ids.cuda()).cpu()
+    if kind == "qwen3_fp8_block":
+        assert (logits - reference).abs().max() < 1e-3
     assert (logits - reference).abs().max() < 1.0
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
 
