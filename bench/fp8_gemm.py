@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
         copies = max(2, int(200e6 // (n * k)) + 1)
         ws = [(torch.randn(n, k, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(copies)]
         ss = [torch.rand(-(-n // 128), -(-k // 128), device=dev) * 1e-3 + 1e-4 for _ in range(copies)]
-        wb = [dequant_block_fp8(w, s).to(torch.bfloat16) for w, s in zip(ws[:2], ss[:2])]
+        wb = [dequant_block_fp8(w, s, BLOCK).to(torch.bfloat16) for w, s in zip(ws[:2], ss[:2])]
         wb += [wb[i % 2].clone() for i in range(max(0, (copies + 1) // 2 - 2))]  # bf16: half as many copies
         calls = {"atom w8a16": [lambda x, w=w, s=s: fp8_block_gemm.run("triton", x, w, s, BLOCK) for w, s in zip(ws, ss)],
                  "atom w8a8": [lambda x, w=w, s=s: fp8_block_gemm.run("triton", x, w, s, BLOCK, w8a8_from=1)
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
                 print(f"[fp8_gemm] {label}: {name} failed to prepare ({type(e).__name__}: {str(e)[:200]})", flush=True)
         for m in MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = x.float() @ dequant_block_fp8(ws[0], ss[0]).t()
+            ref = x.float() @ dequant_block_fp8(ws[0], ss[0], BLOCK).t()
             row = {"shape": label, "n": n, "k": k, "m": m, "sides": {}}
             for name, fns in calls.items():
                 try:
