@@ -37,6 +37,7 @@ class Mutant:
 
 
 OPS = "tests/ops/test_numerical_details.py"
+DSV3_FP8 = "tests/models/test_deepseek_v3_fp8.py"
 
 MUTANTS = (
     # norm epsilons
@@ -133,6 +134,26 @@ MUTANTS = (
     Mutant("mla-impl-0.33-shape-dropped", "atom/plugin/vllm/records.py",
            "                                \"skip_scale=...)\")),", "                                )),",
            ("tests/vllm_range/test_records.py::test_contract[0.33-vllm.attention.mla_impl]",)),
+    # DeepSeek-V3 fp8: what each layer loads, what is skipped, kv_b_proj under vLLM's MLA
+    Mutant("dsv3-fp8-shared-experts-unquantised", "atom/models/deepseek_v3.py",
+           "parallel, dtype, quant=quant,\n", "parallel, dtype, quant=None,\n",
+           (DSV3_FP8 + "::test_loaded_layers_are_fp8_except_ignored_and_kv_b_is_dequantized",)),
+    Mutant("dsv3-fp8-kv-b-kept-fp8", "atom/models/deepseek_v3.py",
+           "dataclasses.replace(kv_b_quant, dequantize=True)", "kv_b_quant",
+           (DSV3_FP8 + "::test_loaded_layers_are_fp8_except_ignored_and_kv_b_is_dequantized",)),
+    Mutant("dsv3-fp8-mtp-scales-loaded", "atom/models/deepseek_v3.py",
+           ">= int(self.hf_config.num_hidden_layers))",
+           ">= int(self.hf_config.num_hidden_layers) and not name.endswith(\"_scale_inv\"))",
+           (DSV3_FP8 + "::test_mtp_layer_and_its_fp8_scales_are_skipped",)),
+    Mutant("dsv3-fp8-q-a-kv-a-always-fused", "atom/models/deepseek_v3.py",
+           "return quant is None or quant.block is None or int(q_lora_rank) % quant.block[0] == 0", "return True",
+           (DSV3_FP8 + "::test_fused_q_a_kv_a_needs_q_lora_rank_on_tile_boundaries",)),
+    Mutant("mla-kv-b-view-snapshot", "atom/plugin/vllm/model_wrapper.py",
+           "self._rebound: Optional[torch.Tensor] = None", "self._rebound: Optional[torch.Tensor] = linear.weight",
+           (DSV3_FP8 + "::test_vllm_mla_absorbs_the_dequantized_kv_b_proj_whatever_the_hook_order",)),
+    Mutant("mla-kv-b-hook-order", "atom/plugin/vllm/attention.py",
+           "        if prepare is not None:\n            prepare()", "        if False:\n            prepare()",
+           (DSV3_FP8 + "::test_vllm_mla_absorbs_the_dequantized_kv_b_proj_whatever_the_hook_order",)),
     Mutant("mla-prefill-stand-in-off", "atom/plugin/vllm/mla_patch.py",
            "    if compat.platform_selects_mla_prefill() or current_platform.get_device_capability() is not None:",
            "    if True:",

@@ -186,6 +186,14 @@ class DecoderForCausalLM(nn.Module):
             weights = ((self._rename(name), t) for name, t in weights)
         return load_checkpoint_weights(self, weights, self.stacked_params(), self.skip_weight)
 
+    def process_weights_after_loading(self) -> None:
+        """After every tensor is loaded: fp8 layers repack for their compute path (dequantise,
+        or keep fp8 for the GPU kernels). The host calls this once (vLLM: its model-level
+        post-load hook through the wrapper); a no-op for an unquantised checkpoint."""
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, FusedMoE)):
+                module.process_weights_after_loading()
+
     def _rename(self, name: str) -> str:
         for theirs, ours in self.checkpoint_renames:
             name = name.replace(theirs, ours)
@@ -356,10 +364,3 @@ class LlamaFamilyForCausalLM(DecoderForCausalLM):
             layers.append(DecoderLayer(attn, mlp, hf.hidden_size, hf.rms_norm_eps, config.dtype))
         return layers
 
-    def process_weights_after_loading(self) -> None:
-        """After every tensor is loaded: fp8 layers repack for their compute path (dequantise,
-        or keep fp8 for the GPU kernels). The host calls this once (vLLM: its model-level
-        post-load hook through the wrapper); a no-op for an unquantised checkpoint."""
-        for module in self.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, FusedMoE)):
-                module.process_weights_after_loading()

@@ -31,11 +31,32 @@ row-parallel; the latent projections are replicated); experts as in Qwen3-MoE (T
 ``enable_expert_parallel``, whole experts over the EP group); shared experts TP-split.
 
 Checkpoints: HF names. Multi-token-prediction layers (``model.layers.{i}`` with i >=
-``num_hidden_layers``, in DeepSeek-V3's release) are skipped.
+``num_hidden_layers``, in DeepSeek-V3's release) are skipped, their fp8 scales included.
+
+fp8 checkpoints (``quantization_config.quant_method == "fp8"``, :mod:`atom.models._quant`):
+DeepSeek-V3's and Kimi-K2's release format (``weight_block_size: [128, 128]``, dynamic
+activations, ``weight_scale_inv`` per 128 x 128 tile) and per-tensor scales (dynamic or static
+activations) load into every projection: ``q_a_proj`` + ``kv_a_proj_with_mqa`` (fused; the
+576-row ``kv_a`` ends in a partial tile, see :func:`fuses_qkv_a`), ``q_b_proj`` / ``q_proj``,
+``kv_b_proj``, ``o_proj``, the dense and shared-expert MLPs and the routed experts. The router,
+norms, embedding and lm_head are never quantised; ``ignored_layers`` /
+``modules_to_not_convert`` stay in the checkpoint's dtype. After loading, each layer repacks for
+its compute path (:meth:`DecoderForCausalLM.process_weights_after_loading`).
+
+``kv_b_proj`` is the exception: the host's MLA reads it as a plain matrix after loading (vLLM
+splits it per head into the absorbed decode weights; atom's prefill up-projects the latent with
+it), so it is loaded fp8 and dequantised once, at load, to the activation dtype
+(``Fp8Spec.dequantize``), and stays there (bf16 when serving bf16). Its cost at DeepSeek-V3's
+dims (``kv_lora_rank`` 512 x 128 heads x (128 nope + 128 v) = 16,777,216 parameters per layer):
+33.6 MB in bf16 vs 16.8 MB in fp8 (+ 4 KiB of scales), i.e. 16.8 MB more per layer and 1.02 GB
+(61 layers) more for the whole model, divided over the TP ranks (heads are split: 128 MB per
+rank at TP=8). The absorbed ``W_UK`` / ``W_UV`` copies are in the activation dtype for stock
+vLLM and atom alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Optional
 
@@ -50,6 +71,7 @@ from atom.models._layers import RMSNorm, RotaryEmbedding, rope_parameters, yarn_
 from atom.models._linear import ColumnParallelLinear, OutputSlice, RowParallelLinear, divide
 from atom.models._loading import StackedParams
 from atom.models._moe import FusedMoE, GroupedTopkRouter
+from atom.models._quant import Fp8Spec, fp8_spec, layer_spec
 from atom.models.interfaces import AttentionFactory, ModelParallel
 
 #: DeepSeek's RoPE base when a config omits it.
@@ -67,9 +89,10 @@ QKV_A_STACKED = (
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _replicated(input_size: int, sizes: dict[str, int], bias: bool,
-                dtype: Optional[torch.dtype]) -> ColumnParallelLinear:
-    """Matrices fused along the output and held whole on every rank (no TP split)."""
+def _replicated(input_size: int, sizes: dict[str, int], bias: bool, dtype: Optional[torch.dtype],
+                quant: Optional[Fp8Spec] = None) -> ColumnParallelLinear:
+    """Matrices fused along the output and held whole on every rank (no TP split); ``quant``:
+    their fp8 format (None: unquantised)."""
     slices: dict[Any, OutputSlice] = {}
     dst = 0
     for shard, size in sizes.items():
@@ -77,7 +100,21 @@ def _replicated(input_size: int, sizes: dict[str, int], bias: bool,
         dst += size
     if len(sizes) == 1:
         slices[None] = next(iter(slices.values()))
-    return ColumnParallelLinear(input_size, dst, slices, bias=bias, dtype=dtype)
+    return ColumnParallelLinear(input_size, dst, slices, bias=bias, dtype=dtype, quant=quant)
+
+
+def fuses_qkv_a(hf_config: Any, quant: Optional[Fp8Spec]) -> bool:
+    """Whether ``q_a_proj`` and ``kv_a_proj_with_mqa`` load into one fused ``fused_qkv_a_proj``.
+
+    Always, except where block-scaled fp8 tiles would straddle the seam: the fused weight has one
+    grid of ``bn``-row scale tiles, so the first matrix (``q_a_proj``, ``q_lora_rank`` rows) must
+    be whole tiles, while the last (``kv_a_proj_with_mqa``) may end in a partial one
+    (DeepSeek-V3: 1536 = 12 tiles, then 576 = 4.5). A ``q_lora_rank`` that is not a multiple of
+    ``bn`` keeps the two projections separate (two GEMMs), each with its own scale grid."""
+    q_lora_rank = getattr(hf_config, "q_lora_rank", None)
+    if q_lora_rank is None:
+        return False
+    return quant is None or quant.block is None or int(q_lora_rank) % quant.block[0] == 0
 
 
 def attention_scale(hf_config: Any, params: dict[str, Any]) -> float:
@@ -105,6 +142,8 @@ class DeepseekV3Attention(nn.Module):
         parallel: ModelParallel,
         dtype: Optional[torch.dtype],
         prefix: str,
+        quant: Optional[Fp8Spec] = None,
+        checkpoint_prefix: str = "",
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
@@ -119,19 +158,34 @@ class DeepseekV3Attention(nn.Module):
         num_heads = int(hf_config.num_attention_heads)
         self.num_heads = divide(num_heads, parallel.tp_size, "num_attention_heads")
 
+        def spec(*names: str) -> Optional[Fp8Spec]:
+            return layer_spec(quant, checkpoint_prefix, names)
+
         kv_a = {"kv_a": self.kv_lora_rank + self.rope}
+        self.fused_qkv_a = fuses_qkv_a(hf_config, quant)
+        if self.fused_qkv_a:
+            self.fused_qkv_a_proj = _replicated(hidden, {"q_a": self.q_lora_rank, **kv_a}, bias, dtype,
+                                                spec("q_a_proj", "kv_a_proj_with_mqa"))
+        else:
+            self.kv_a_proj_with_mqa = _replicated(hidden, kv_a, bias, dtype, spec("kv_a_proj_with_mqa"))
         if self.q_lora_rank is not None:
-            self.fused_qkv_a_proj = _replicated(hidden, {"q_a": self.q_lora_rank, **kv_a}, bias, dtype)
+            if not self.fused_qkv_a:
+                self.q_a_proj = _replicated(hidden, {"q_a": self.q_lora_rank}, bias, dtype, spec("q_a_proj"))
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps, dtype=dtype)
             self.q_b_proj = ColumnParallelLinear.merged(self.q_lora_rank, [num_heads * self.qk_head_dim],
-                                                        parallel, dtype=dtype)
+                                                        parallel, dtype=dtype, quant=spec("q_b_proj"))
         else:
-            self.kv_a_proj_with_mqa = _replicated(hidden, kv_a, bias, dtype)
-            self.q_proj = ColumnParallelLinear.merged(hidden, [num_heads * self.qk_head_dim], parallel, dtype=dtype)
+            self.q_proj = ColumnParallelLinear.merged(hidden, [num_heads * self.qk_head_dim], parallel, dtype=dtype,
+                                                      quant=spec("q_proj"))
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps, dtype=dtype)
+        # Read as a plain matrix after loading (the host's MLA splits it per head): loaded fp8,
+        # dequantised once by its own post-load hook (see the module docstring for the cost).
+        kv_b_quant = spec("kv_b_proj")
         self.kv_b_proj = ColumnParallelLinear.merged(
-            self.kv_lora_rank, [num_heads * (self.nope + self.v_head_dim)], parallel, dtype=dtype)
-        self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, parallel, bias=bias, dtype=dtype)
+            self.kv_lora_rank, [num_heads * (self.nope + self.v_head_dim)], parallel, dtype=dtype,
+            quant=None if kv_b_quant is None else dataclasses.replace(kv_b_quant, dequantize=True))
+        self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, parallel, bias=bias, dtype=dtype,
+                                        quant=spec("o_proj"))
         self.rotary_emb = rotary_emb  # shared by every layer
 
         make_mla = getattr(make_attention, "mla", None)
@@ -154,10 +208,13 @@ class DeepseekV3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         t = hidden_states.shape[0]
-        if self.q_lora_rank is not None:
+        if self.fused_qkv_a:
             q_c, kv_a = self.fused_qkv_a_proj(hidden_states).split(
                 [self.q_lora_rank, self.kv_lora_rank + self.rope], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q_c))
+        elif self.q_lora_rank is not None:
+            kv_a = self.kv_a_proj_with_mqa(hidden_states)
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         else:
             kv_a = self.kv_a_proj_with_mqa(hidden_states)
             q = self.q_proj(hidden_states)
@@ -206,18 +263,22 @@ class DeepseekV3MoE(nn.Module):
     """Routed experts (sum weighted by the router) plus the shared experts."""
 
     def __init__(self, hf_config: Any, parallel: ModelParallel, use_expert_parallel: bool,
-                 dtype: Optional[torch.dtype]) -> None:
+                 dtype: Optional[torch.dtype], quant: Optional[Fp8Spec] = None, checkpoint_prefix: str = "") -> None:
         super().__init__()
         n = num_routed_experts(hf_config)
+        # The router (``gate``) stays unquantised in fp8 checkpoints.
         self.gate = DeepseekV3Router(hf_config, n)
         # The router returns final weights; FusedMoE's own (softmax) routing is not used.
         self.experts = FusedMoE(
             n, int(hf_config.num_experts_per_tok), hf_config.hidden_size, hf_config.moe_intermediate_size,
             parallel, renormalize=False, use_expert_parallel=use_expert_parallel, dtype=dtype,
+            quant=layer_spec(quant, checkpoint_prefix,
+                             [f"experts.{e}.{p}" for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")]),
         )
         shared = int(getattr(hf_config, "n_shared_experts", None) or 0)
         self.shared_experts = (
-            GatedMLP(hf_config.hidden_size, hf_config.moe_intermediate_size * shared, parallel, dtype)
+            GatedMLP(hf_config.hidden_size, hf_config.moe_intermediate_size * shared, parallel, dtype, quant=quant,
+                     checkpoint_prefix=join_prefix(checkpoint_prefix, "shared_experts"))
             if shared else None
         )
 
@@ -289,14 +350,19 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         rotary_emb = RotaryEmbedding(int(hf.qk_rope_head_dim), params, max_position(config),
                                      is_neox_style=not bool(getattr(hf, "rope_interleave", True)))
         scale = attention_scale(hf, params)
+        self.quant = fp8_spec(hf)
         layers = []
         for i in range(hf.num_hidden_layers):
+            ckpt = f"model.layers.{i}"
             attn = DeepseekV3Attention(hf, rotary_emb, scale, make_attention, parallel, config.dtype,
-                                       join_prefix(prefix, f"layers.{i}.self_attn"))
+                                       join_prefix(prefix, f"layers.{i}.self_attn"), quant=self.quant,
+                                       checkpoint_prefix=f"{ckpt}.self_attn")
             if is_moe_layer(hf, i):
-                mlp: nn.Module = DeepseekV3MoE(hf, parallel, config.enable_expert_parallel, config.dtype)
+                mlp: nn.Module = DeepseekV3MoE(hf, parallel, config.enable_expert_parallel, config.dtype,
+                                               quant=self.quant, checkpoint_prefix=f"{ckpt}.mlp")
             else:
-                mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, parallel, config.dtype)
+                mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, parallel, config.dtype, quant=self.quant,
+                               checkpoint_prefix=f"{ckpt}.mlp")
             layers.append(DecoderLayer(attn, mlp, hf.hidden_size, hf.rms_norm_eps, config.dtype))
         return layers
 
@@ -305,15 +371,15 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         otherwise match the dense ``gate_proj`` entry)."""
         stacked: list = []
         if any(is_moe_layer(self.hf_config, i) for i in range(self.hf_config.num_hidden_layers)):
-            stacked += FusedMoE.checkpoint_params(num_routed_experts(self.hf_config))
+            stacked += FusedMoE.checkpoint_params(num_routed_experts(self.hf_config), quant=self.quant)
         stacked += DENSE_STACKED
-        if getattr(self.hf_config, "q_lora_rank", None) is not None:
+        if fuses_qkv_a(self.hf_config, self.quant):
             stacked += QKV_A_STACKED
         return stacked
 
     def skip_weight(self, name: str) -> bool:
         """Also the multi-token-prediction layers, which follow the decoder layers in
-        DeepSeek-V3's release."""
+        DeepSeek-V3's release (every tensor of theirs, fp8 scales included)."""
         m = _LAYER_INDEX.search(name)
         return super().skip_weight(name) or (m is not None and int(m.group(1)) >= int(self.hf_config.num_hidden_layers))
 

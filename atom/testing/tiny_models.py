@@ -96,6 +96,20 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
         moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
         mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
     )),
+    # DeepSeek-V3's release format at tiny size: layer 0 dense, layer 1 MoE (8 experts in 2
+    # groups, top-2 from the best group, a shared expert), MLA with q-LoRA, one MTP layer's
+    # tensors (fp8 too) after the last layer. Tiles, as in the real model: q_a_proj (128 rows)
+    # then kv_a_proj_with_mqa (512 + 64 = 576 rows: 4.5 tiles, a partial last one) fused; hidden
+    # 192 = 1.5 tiles, so every projection reading the hidden state has a partial input tile and
+    # o_proj / down_proj / the experts' down a partial output tile.
+    "deepseek_v3_fp8_block": ("DeepseekV3Config", dict(
+        hidden_size=192, intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, topk_method="noaux_tc", scoring_func="sigmoid",
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )),
 }
 
 #: kind -> HF ``quantization_config`` written into config.json. Quantised: every decoder
@@ -108,8 +122,16 @@ FP8: dict[str, dict[str, Any]] = {
                             ignored_layers=["model.layers.1.mlp.down_proj"]),
     "qwen3_moe_fp8_block": dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[128, 128],
                                 ignored_layers=["model.layers.1.self_attn.o_proj"]),
+    # DeepSeek-V3's config.json spells it so ("fmt"); no ignored layers there, two here.
+    "deepseek_v3_fp8_block": dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3",
+                                  weight_block_size=[128, 128],
+                                  ignored_layers=["model.layers.1.mlp.shared_experts.down_proj",
+                                                  "model.layers.0.self_attn.o_proj"]),
 }
 FP8_MAX = 448.0
+#: Kinds whose checkpoint carries one multi-token-prediction layer after the last decoder layer
+#: (:func:`_add_mtp_layer`; quantised with the rest in an fp8 kind).
+MTP_KINDS = ("glm4_moe", "deepseek_v3_fp8_block")
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -202,13 +224,15 @@ def build(kind: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16"
                     p.normal_(0.0, 0.5)  # gate/up values reach the SwiGLU clamp at +-7
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
-    if kind == "deepseek_v3":
+    if cls_name == "DeepseekV3Config":
         # transformers 5 neither keeps nor saves these; vLLM only creates the routing
         # correction bias (present in the checkpoint) when topk_method == "noaux_tc".
         cfg = json.loads((out / "config.json").read_text())
         cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
+        if kind in MTP_KINDS:
+            cfg["num_nextn_predict_layers"] = 1  # how vLLM's DeepSeek loader knows to skip them
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    if kind == "glm4_moe":
+    if kind in MTP_KINDS:
         _add_mtp_layer(out, int(kwargs["num_hidden_layers"]))
     if kind in FP8:
         quantize_checkpoint(out, FP8[kind])
@@ -216,8 +240,10 @@ def build(kind: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16"
 
 
 def _is_quantized(name: str, ignored: list[str]) -> bool:
+    """A decoder layer's projection (``*_proj``, DeepSeek's ``kv_a_proj_with_mqa`` too)."""
     module = name.removesuffix(".weight")
-    return (name.endswith("_proj.weight") and ".layers." in name and module not in ignored)
+    leaf = module.rpartition(".")[2]
+    return (name.endswith(".weight") and "_proj" in leaf and ".layers." in name and module not in ignored)
 
 
 def quantize_fp8(weight: "torch.Tensor", block: list[int] | None) -> tuple["torch.Tensor", "torch.Tensor"]:

@@ -120,7 +120,8 @@ def test_wrapper_names_unsupported_quantization_methods():
         parallel_config=SimpleNamespace(pipeline_parallel_size=1), quant_config=object())
     with pytest.raises(NotImplementedError, match=r"does not run 'gptq' checkpoints \(supported: unquantized, fp8"):
         ATOMForCausalLM(vllm_config=config)
-    # fp8 is per architecture (atom.plugin.models.ModelEntry.quantization): only Qwen3 / Qwen3-MoE.
+    # fp8 is per architecture (atom.plugin.models.ModelEntry.quantization): Qwen3, Qwen3-MoE and
+    # DeepSeek-V3/V2 (tests/models/test_deepseek_v3_fp8.py), not Llama.
     config.model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
                                           quantization="fp8")
     with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM does not run 'fp8' checkpoints \(supported: unquantized\)"):
@@ -397,15 +398,17 @@ def test_gpu_fp8_paths_match_dequantized_reference(fp8_checkpoint, kind):
 
 # -- real vLLM engines -----------------------------------------------------------------------------
 def _engine_process_run(checkpoint: Path, prompts, work: Path, atom: bool = False,
-                        env_extra: Optional[dict] = None) -> dict:
+                        env_extra: Optional[dict] = None, engine: Optional[dict] = None) -> dict:
     """One bf16 greedy run in its own process: stock vLLM (``ATOM_DISABLE_VLLM_PLUGIN=1``), or
-    with ``atom`` the engine with atom active (asserted from its log)."""
+    with ``atom`` the engine with atom active (asserted from its log); ``engine``: extra engine
+    arguments."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "prompts.json").write_text(json.dumps(prompts))
     env = {**os.environ, **runner.ENGINE_ENV, **(env_extra or {}), "ATOM_DISABLE_VLLM_PLUGIN": "0" if atom else "1"}
+    extra = ["--engine", json.dumps(engine)] if engine else []
     proc = subprocess.run(
         [sys.executable, "-m", "tests.models._engine_runner", str(checkpoint), str(work / "prompts.json"),
-         str(work / "out.json"), "bfloat16"],
+         str(work / "out.json"), *extra, "bfloat16"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -271,7 +271,22 @@ class MLAImplMethods:
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Split ``kv_b_proj`` (dequantised to ``act_dtype`` by vLLM's helper) into the absorbed
-        decode weights and compile the kernels' variants on a GPU."""
+        decode weights and compile the kernels' variants on a GPU.
+
+        atom's ``kv_b_proj`` (``model_wrapper._VllmLinearView``) of an fp8 checkpoint is
+        dequantised by its own post-load hook. vLLM's loader runs that hook first (its
+        ``quant_method`` loop precedes the attention loop, 0.26 and 0.32 alike); it is run here
+        too, idempotently, so the split never depends on that order. An fp8 weight left without
+        a ``quant_method`` would be read by vLLM's helper as plain numbers, scales ignored:
+        refused."""
+        prepare = getattr(self.kv_b_proj, "process_weights_after_loading", None)
+        if prepare is not None:
+            prepare()
+        weight = getattr(self.kv_b_proj, "weight", None)
+        if (weight is not None and weight.dtype == torch.float8_e4m3fn
+                and getattr(self.kv_b_proj, "quant_method", None) is None):
+            raise RuntimeError("MLA kv_b_proj is still float8_e4m3fn after its post-load hook: its scales would "
+                               "be ignored (an fp8 kv_b_proj must be dequantised, Fp8Spec.dequantize)")
         w_uk, w_uv = compat.split_kv_b_proj(self.kv_b_proj, act_dtype, self.kv_lora_rank, self.num_heads,
                                             self.qk_nope_head_dim, self.v_head_dim)
         self.absorb(w_uk, w_uv, act_dtype)

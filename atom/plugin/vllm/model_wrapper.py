@@ -156,13 +156,34 @@ class _VllmLinearView:
     """What vLLM's MLA layer and backends read of ``kv_b_proj`` (a vLLM ``LinearBase``:
     ``weight``, ``quant_method``, ``params_dtype``, ``parameters()``, and calls returning
     ``(output, bias)``), over atom's linear layer. A plain object, not a submodule, so the
-    weight stays atom's parameter (loaded by atom's model, named once)."""
+    weight stays atom's parameter (loaded by atom's model, named once).
+
+    ``weight`` is the linear's current parameter, read at every access: an fp8 checkpoint's
+    ``kv_b_proj`` replaces its fp8 parameter by the dequantised one in its post-load hook
+    (``Fp8Spec.dequantize``), and vLLM's split after loading must see that one, not the fp8
+    tensor the layer held when this view was made."""
 
     quant_method = None  # unquantized: vLLM reads ``weight`` as is
 
     def __init__(self, linear: nn.Module) -> None:
         self.linear = linear
-        self.weight = linear.weight  # vLLM's CPU AMX path rebinds this view's weight only
+        self._rebound: Optional[torch.Tensor] = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight if self._rebound is None else self._rebound
+
+    @weight.setter
+    def weight(self, value: torch.Tensor) -> None:
+        # vLLM's CPU AMX path rebinds the weight (to an empty tensor, once it has packed its
+        # own copy): this view's only, never atom's layer.
+        self._rebound = value
+
+    def process_weights_after_loading(self) -> None:
+        """atom's layer's own post-load hook (idempotent): the fp8 ``kv_b_proj`` dequantises."""
+        hook = getattr(self.linear, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
 
     @property
     def params_dtype(self) -> torch.dtype:
