@@ -237,11 +237,18 @@ VARIABLES: dict[str, EnvVar] = {
             _choice(*COMPILE_ELEMENTWISE), ", ".join(COMPILE_ELEMENTWISE),
         ),
         EnvVar(
-            "ATOM_FP8_W8A8_MIN_TOKENS", "int", "0",
-            "Block-scaled fp8 linears (weights stay fp8): from this many tokens per step, quantise "
-            "activations per token and 128-channel group and run the fp8 x fp8 GEMM (W8A8); below, "
-            "and always when 0, keep activations in bf16 (W8A16: the dequantised layer's numbers, "
-            "half the weight bytes).",
+            "ATOM_FP8_W8A8_MIN_TOKENS", "int", "17",
+            "Block-scaled fp8 linears (weights stay fp8) on GPUs: from this many tokens per step, "
+            "quantise activations per token and 128-channel group and run the fp8 x fp8 GEMM (W8A8); "
+            "below, and always when 0, keep activations in bf16 (W8A16: the dequantised layer's "
+            "numbers, half the weight bytes). On CPU W8A16 always unless this is set.",
+            _parse_nonneg_int, "an integer >= 0",
+        ),
+        EnvVar(
+            "ATOM_FP8_HOST_GEMM_MIN_TOKENS", "int", "128",
+            "Block-scaled fp8 linears under vLLM on NVIDIA GPUs: from this many tokens per step, call "
+            "vLLM's own CUTLASS block-fp8 GEMM (128x128 blocks, dims multiples of 128) instead of "
+            "atom's Triton kernel; 0 = never.",
             _parse_nonneg_int, "an integer >= 0",
         ),
         EnvVar(

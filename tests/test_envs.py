@@ -114,6 +114,8 @@ MALFORMED = {
     "ATOM_DISABLE_TORCH_COMPILE": ["never", "01x"],
     "ATOM_COMPILE_ELEMENTWISE": ["fast", "inductor,kernels"],
     "ATOM_MLA_CONTEXT_CHUNK_TOKENS": ["-16", "abc", "1.5", "16k", "0x10", ""],
+    "ATOM_FP8_W8A8_MIN_TOKENS": ["-1", "abc", "1.5", ""],
+    "ATOM_FP8_HOST_GEMM_MIN_TOKENS": ["-128", "x", "2.0", ""],
     "ATOM_MLA_DECODE_TILE": ["64,64,8", "48,64,8,2", "64,64,3,2", "64,64,8,0", "big"],
 }
 

@@ -119,7 +119,7 @@ class Fp8Linear(nn.Module):
         else:
             self.fp8_block = q.block
         if self.fp8_block is not None:
-            self.w8a8_from = fp8_w8a8_from()
+            self.w8a8_from = fp8_w8a8_from(self.weight.device)
             self.warm_up_kernels()
 
     def warm_up_kernels(self, force: bool = False) -> int:

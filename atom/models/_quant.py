@@ -118,11 +118,14 @@ def dequant_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
     return dequant_block_fp8(weight, scale, block)
 
 
-def fp8_w8a8_from() -> Optional[int]:
-    """Batch size (tokens) from which block-fp8 linears quantise activations and run the fp8 x
-    fp8 GEMM (``ATOM_FP8_W8A8_MIN_TOKENS``; 0 = never, always W8A16)."""
+def fp8_w8a8_from(device: torch.device) -> Optional[int]:
+    """Batch size (tokens) from which block-fp8 linears on ``device`` quantise activations and run
+    the fp8 x fp8 GEMM (``ATOM_FP8_W8A8_MIN_TOKENS``; 0 = never, always W8A16). Unset, on a CPU:
+    never (the torch reference gains nothing from it; vLLM-CPU's own kernel is W8A16 too)."""
     from atom import envs
 
+    if device.type == "cpu" and not envs.is_set("ATOM_FP8_W8A8_MIN_TOKENS"):
+        return None
     n = envs.ATOM_FP8_W8A8_MIN_TOKENS
     return n or None
 

@@ -19,12 +19,14 @@ Two activation forms, one op (:func:`fp8_block_gemm`):
 ``w8a8_from``: with a float ``x`` of at least that many rows, the op quantises ``x`` itself
 (:func:`atom.ops.per_block_quant_fp8`, groups of ``bk``) and runs the W8A8 form; below it, W8A16.
 The choice is made inside the op, per call, so a torch.compile graph holds one node for every
-batch size. Which threshold a layer uses is the layer's choice (:mod:`atom.models._linear`).
+batch size. From a host-set batch size the op may instead call a GEMM the host ships
+(:func:`set_host_gemm`; vLLM's plugin offers vLLM's CUTLASS block-fp8 kernel, which the
+kernel table in docs/performance.md shows faster than atom's Triton kernel from M ~ 128). Which threshold a layer uses is the layer's choice (:mod:`atom.models._linear`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -32,7 +34,8 @@ from atom.ops._common import FLOAT_DTYPES, FP8_DTYPE
 from atom.ops._dispatch import declare
 from atom.ops.quant import per_block_quant_fp8
 
-__all__ = ["fp8_block_gemm", "dequant_block_fp8", "warm_up_fp8_block_gemm"]
+__all__ = ["fp8_block_gemm", "dequant_block_fp8", "warm_up_fp8_block_gemm", "HostGemm", "set_host_gemm",
+           "host_gemm"]
 
 
 def dequant_block_fp8(w: torch.Tensor, scale: torch.Tensor, block_shape: Sequence[int]) -> torch.Tensor:
@@ -103,6 +106,30 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return out.copy_(y)
 
 
+class HostGemm(NamedTuple):
+    """A block-fp8 GEMM the host framework ships (vLLM: its CUTLASS ``cutlass_scaled_mm``),
+    offered by the host's plugin (:func:`set_host_gemm`) and used from ``min_tokens`` rows up.
+    ``fn(x, weight, weight_scale, block_shape, bias)`` returns ``y``, or None where it does not
+    apply (the op then runs atom's kernel)."""
+
+    fn: Callable[..., Optional[torch.Tensor]]
+    min_tokens: int
+    name: str
+
+
+_HOST_GEMM: Optional[HostGemm] = None
+
+
+def set_host_gemm(gemm: Optional[HostGemm]) -> None:
+    """Offer (or, with None, withdraw) the host's block-fp8 GEMM for large batches."""
+    global _HOST_GEMM
+    _HOST_GEMM = gemm
+
+
+def host_gemm() -> Optional[HostGemm]:
+    return _HOST_GEMM
+
+
 def _w8a8(x: torch.Tensor, w8a8_from: Optional[int]) -> bool:
     """Whether a float ``x`` is to be quantised for the W8A8 form."""
     return x.dtype != FP8_DTYPE and w8a8_from is not None and x.shape[0] >= w8a8_from
@@ -128,6 +155,11 @@ def _fp8_block_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     dtype = _check(x, weight, weight_scale, block_shape, x_scale, bias, out_dtype, out)
     from atom.ops.fp8_gemm_triton import fp8_block_gemm_fwd
 
+    host = _HOST_GEMM
+    if host is not None and x_scale is None and out is None and x.shape[0] >= host.min_tokens:
+        y = host.fn(x, weight, weight_scale, block_shape, bias)
+        if y is not None:
+            return y
     if _w8a8(x, w8a8_from):
         x, x_scale = per_block_quant_fp8.run("triton", x, int(block_shape[1]))
 

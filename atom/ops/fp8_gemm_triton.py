@@ -7,10 +7,11 @@ tile's weight scale (and the activations' group scale) as it is accumulated.
 
 Configurations by batch size ``M`` (:func:`gemm_config`):
 
-* ``M <= 16`` (decode): weight streaming. 16-row tiles; the product is computed transposed
-  (``SWAP_AB``: ``W @ x.T``) so the weight tile is the wide MMA operand; when the output has
-  too few column tiles to occupy every SM, the K loop is split over programs (split-K) whose
-  fp32 partial sums a second kernel adds (with the bias) into the output.
+* ``M <= 16`` (decode): weight streaming. 16 x 32 tiles; when the output has too few column
+  tiles for two programs per SM, the K loop is split over programs (split-K) whose fp32 partial
+  sums a second kernel adds (with the bias) into the output. (Measured on the H100,
+  bench/fp8_gemm.py --sweep: 16 x 32 with split-K beat 64- and 128-wide tiles and the transposed
+  ``SWAP_AB`` form, which the kernel keeps as an option.)
 * ``M <= 64``: 64-row tiles, still split-K when the grid is small.
 * larger: 64 x 128 and 128 x 128 tiles, grouped so neighbouring programs share weight tiles in L2.
 """
@@ -139,7 +140,7 @@ class GemmConfig:
 #: Upper M of each configuration bucket (the last one is open-ended).
 M_BUCKETS = (16, 64, 256)
 #: Split the K loop until the grid has this many programs per SM (small-M buckets only).
-SPLIT_K_PROGRAMS_PER_SM = 1
+SPLIT_K_PROGRAMS_PER_SM = 2
 #: Each split keeps at least this many K steps.
 SPLIT_K_MIN_STEPS = 4
 
@@ -168,7 +169,7 @@ def gemm_config(m: int, n: int, k: int, block_k: int, a_fp8: bool, sms: int) -> 
     bk = min(128, block_k)
     b = bucket_of(m)
     if b == 0:
-        cfg = GemmConfig(16, 64, bk, 1, 4, 4, True)
+        cfg = GemmConfig(16, 32, bk, 1, 4, 4, False)
     elif b == 1:
         cfg = GemmConfig(64, 64, bk, 1, 4, 4, False)
     elif b == 2:

@@ -85,7 +85,25 @@ def test_split_k_and_every_bucket_are_exercised():
     buckets = {bucket_of(m) for m, *_ in CASES}
     assert buckets == set(range(len(M_BUCKETS) + 1))
     cfg = gemm_config(16, 64, 1024, 128, False, num_sms(DEVICE))
-    assert cfg.split_k > 1 and cfg.swap_ab
+    assert cfg.split_k > 1
+
+
+@pytest.mark.parametrize("a_fp8", [False, True], ids=["w8a16", "w8a8"])
+def test_swapped_operand_form_matches_reference(a_fp8):
+    """The transposed form (``SWAP_AB``, weight tile as the wide MMA operand), kept as a tile
+    option, on odd sizes with split-K and a bias."""
+    from atom.ops.fp8_gemm_triton import GemmConfig, fp8_block_gemm_fwd
+
+    w, s = _weights(100, 300, (64, 128))
+    x = torch.randn(5, 300, device=DEVICE).to(torch.bfloat16)
+    bias = torch.randn(100, device=DEVICE).to(torch.bfloat16)
+    xs = None
+    if a_fp8:
+        x, xs = per_block_quant_fp8(x, 128)
+    want = fp8_block_gemm.reference(x, w, s, (64, 128), x_scale=xs, bias=bias, out_dtype=torch.bfloat16)
+    got = fp8_block_gemm_fwd(x, w, s, (64, 128), x_scale=xs, bias=bias, out_dtype=torch.bfloat16,
+                             config=GemmConfig(16, 32, 64, 1, 4, 2, True, 2))
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
 def test_out_and_errors():
@@ -126,3 +144,54 @@ def test_gpu_real_shapes(m, n, k):
     xq, xs = per_block_quant_fp8(x, 128)
     got8 = _triton(xq, w, s, (128, 128), x_scale=xs, out_dtype=torch.bfloat16)
     assert (got8.float() - want).abs().max() <= 0.08 * want.abs().max()
+
+
+def test_host_gemm_is_used_from_its_batch_size_and_declines_fall_back():
+    """The host seam (the toolkit's own mechanics, so a recording fake): from ``min_tokens`` rows
+    the op calls the host's GEMM; a host that returns None leaves the row to atom's kernel."""
+    from atom.ops.fp8_gemm import HostGemm, set_host_gemm
+
+    w, s = _weights(64, 128, (64, 64))
+    calls = []
+
+    def host(x, weight, weight_scale, block, bias):
+        calls.append(x.shape[0])
+        return None if x.shape[0] == 9 else torch.full((x.shape[0], weight.shape[0]), 7.0, dtype=x.dtype,
+                                                       device=x.device)
+
+    set_host_gemm(HostGemm(host, 8, "fake"))
+    try:
+        small = _triton(torch.randn(3, 128, device=DEVICE), w, s, (64, 64))
+        big = _triton(torch.randn(8, 128, device=DEVICE), w, s, (64, 64))
+        x9 = torch.randn(9, 128, device=DEVICE)
+        declined = _triton(x9, w, s, (64, 64))
+    finally:
+        set_host_gemm(None)
+    assert calls == [8, 9]
+    assert not (small == 7).all() and (big == 7).all()
+    torch.testing.assert_close(declined, fp8_block_gemm.reference(x9, w, s, (64, 64)), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [128, 1000])
+def test_gpu_vllm_cutlass_host_gemm_matches_reference(m):
+    """vLLM's CUTLASS block-fp8 GEMM as atom's plugin calls it (activation quantisation included)
+    is within fp8 activation noise of the exact product, and the op routes to it."""
+    pytest.importorskip("vllm")
+    from atom.ops.fp8_gemm import set_host_gemm
+    from atom.plugin.vllm import fp8_gemm as host
+
+    host.install.cache_clear()
+    assert host.install() == host.NAME
+    try:
+        w, s = _weights(1024, 2048, (128, 128))
+        x = torch.randn(m, 2048, device=DEVICE, dtype=torch.bfloat16)
+        bias = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16)
+        want = x.float() @ dequant_block_fp8(w, s, (128, 128)).t() + bias.float()
+        got = _triton(x, w, s, (128, 128), bias=bias)
+        direct = host.cutlass_block_gemm()(x, w, s, (128, 128), bias)
+        assert torch.equal(got, direct)
+        assert (got.float() - want).abs().max() <= 0.08 * want.abs().max()
+    finally:
+        set_host_gemm(None)
+        host.install.cache_clear()

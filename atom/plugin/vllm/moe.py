@@ -47,6 +47,10 @@ class AtomMoEPostLoad(QuantizeMethodBase):
         raise RuntimeError("atom's layers run their own forward")
 
     def process_weights_after_loading(self, layer: Any) -> None:
+        if getattr(layer, "quant", None) is not None and getattr(layer.quant, "block", None) is not None:
+            from atom.plugin.vllm.fp8_gemm import install
+
+            install()  # vLLM's CUTLASS block-fp8 GEMM for large batches, before the layer warms up
         layer.process_weights_after_loading()
 
 
