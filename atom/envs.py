@@ -245,6 +245,14 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_nonneg_int, "an integer >= 0",
         ),
         EnvVar(
+            "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", "bool", "0",
+            "Serve 128x128 block-fp8 checkpoints (Qwen3-FP8, DeepSeek-V3) with atom's models on "
+            "NVIDIA GPUs. Off by default: there atom steps aside and vLLM's own model serves them, "
+            "because vLLM's DeepGEMM path measured faster at 64+ concurrent sequences "
+            "(docs/performance.md). No effect on CPU, ROCm or per-tensor fp8.",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
             "ATOM_FP8_HOST_GEMM_MIN_TOKENS", "int", "128",
             "Block-scaled fp8 linears under vLLM on NVIDIA GPUs: from this many tokens per step, call "
             "vLLM's own CUTLASS block-fp8 GEMM (128x128 blocks, dims multiples of 128) instead of "

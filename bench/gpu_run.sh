@@ -143,10 +143,10 @@ for step in "$@"; do
             if [ "${AB_FP8:-0}" = 1 ]; then
                 python3 -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path; from e2e_models import quantize_block_fp8; \
                     print(quantize_block_fp8(Path('$d'), Path('$d-fp8')))" 2>&1 | tail -1
-                d="$d-fp8"; m="$m-fp8"
+                d="$d-fp8"; m="$m-fp8"; fp8_atom=",ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1"
             fi
             sides=(--side "stock:ATOM_DISABLE_VLLM_PLUGIN=1,PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-stock"
-                   --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom")
+                   --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom${fp8_atom:-}")
             [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")
             timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m-L$l" "${sides[@]}" \
                 --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" \

@@ -521,6 +521,29 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8
 
 
 @pytest.mark.gpu
+def test_gpu_block_fp8_checkpoint_steps_aside_to_vllm_by_default(fp8_checkpoint, tmp_path):
+    """On an NVIDIA GPU a block-fp8 checkpoint is served by vLLM's own model (atom measured
+    slower than vLLM's DeepGEMM path there), with one line saying so; the same engine serves
+    atom's model with ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1."""
+    path = fp8_checkpoint("qwen3_fp8_block")
+    prompts = mixed_prompts()[:2]
+    env = {**os.environ, **runner.ENGINE_ENV, "ATOM_DISABLE_VLLM_PLUGIN": "0", "VLLM_USE_DEEP_GEMM": "0"}
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    logs = {}
+    for enabled in ("0", "1"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.models._engine_runner", str(path), str(tmp_path / "prompts.json"),
+             str(tmp_path / f"out{enabled}.json"), "bfloat16"],
+            cwd=REPO, env={**env, "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA": enabled}, capture_output=True, text=True,
+            timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs[enabled] = proc.stdout + proc.stderr
+    assert "atom steps aside for Qwen3ForCausalLM (a block-fp8 checkpoint on an NVIDIA GPU" in logs["0"]
+    assert "[atom] built atom.models" not in logs["0"]
+    assert "[atom] built atom.models" in logs["1"] and "steps aside" not in logs["1"]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(fp8_checkpoint, kind, tmp_path):
     """CUDA, real engines, the same fp8 checkpoint: atom's model (fp8 GEMMs per tensor, fp8
@@ -546,7 +569,8 @@ def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(fp8_checkpoint, kind,
     oracle = _engine_process_run(write_dequantized(path, tmp_path / "deq", "bfloat16"), prompts,
                                  tmp_path / "oracle", env_extra=env)
     stock = _engine_process_run(path, prompts, tmp_path / "stock", env_extra=env)
-    ours = _engine_process_run(path, prompts, tmp_path / "atom", atom=True, env_extra=env)
+    ours = _engine_process_run(path, prompts, tmp_path / "atom", atom=True,
+                               env_extra={**env, "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA": "1"})
     vs_stock, atom_err, stock_err = (greedy_run_stats(ours, stock), greedy_run_stats(ours, oracle),
                                      greedy_run_stats(stock, oracle))
     print(f"fp8 engine {kind}: atom vs stock {vs_stock}; vs the dequantised oracle: atom {atom_err}, "

@@ -61,3 +61,31 @@ def test_generation_is_still_atoms(sides):
     assert ours["classes"][0] == f"{MODEL_WRAPPER}.ATOMForCausalLM"
     assert ours["impls"] == ["ATOMAttentionImpl"]
     assert ours["values"] == theirs["values"]  # greedy, fp32
+
+
+def test_block_fp8_on_nvidia_steps_aside_unless_enabled(monkeypatch):
+    """The decision itself (the engine-level check is the GPU test in tests/models/test_fp8.py):
+    a 128x128 block-fp8 checkpoint on an NVIDIA GPU goes to vLLM's own model unless
+    ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1; per-tensor fp8 and other devices stay atom's."""
+    from types import SimpleNamespace
+
+    from atom.plugin.vllm import overrides
+
+    def config(quant):
+        return SimpleNamespace(runner_type="generate", convert_type=None,
+                               hf_config=SimpleNamespace(quantization_config=quant))
+
+    block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    per_tensor = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    monkeypatch.setattr(overrides, "on_nvidia", lambda: True)
+    monkeypatch.delenv("ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", raising=False)
+    refused = overrides.serves(["Qwen3ForCausalLM"], config(block))
+    assert not refused.value and "block-fp8 checkpoint on an NVIDIA GPU" in refused.reason
+    assert "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1" in refused.reason
+    assert overrides.serves(["Qwen3ForCausalLM"], config(per_tensor)).value
+    assert overrides.serves(["Qwen3ForCausalLM"], config(None)).value
+    monkeypatch.setenv("ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", "1")
+    assert overrides.serves(["DeepseekV3ForCausalLM"], config(block)).value
+    monkeypatch.delenv("ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA")
+    monkeypatch.setattr(overrides, "on_nvidia", lambda: False)
+    assert overrides.serves(["Qwen3ForCausalLM"], config(block)).value

@@ -8,12 +8,18 @@ a ``--convert`` adapter, or an architecture name vLLM maps onto a generative one
 (``Qwen3Model`` -> ``Qwen3ForCausalLM``). For those atom steps aside: the records
 ``vllm.models.resolve_model_cls`` / ``inspect_model_cls`` (group ``vllm.models``) answer with
 vLLM's own registry entries, saved here when atom overrides them, and one INFO line says so.
+
+atom also steps aside, by default, for 128x128-style block-fp8 checkpoints on NVIDIA GPUs:
+measured on the H100 (docs/performance.md, "block-fp8 weights stay fp8"), atom's fp8 model
+loses to vLLM's own path (DeepGEMM) at 64 and 256 concurrent sequences, so vLLM's model serves
+them unless ``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1``. Per-tensor fp8, CPU and ROCm are unaffected.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from atom import envs
 from atom._logging import get_logger, info_once
 from atom.plugin import Decision
 from atom.plugin.models import BY_ARCH
@@ -43,7 +49,26 @@ def serves(architectures: Any, model_config: Any) -> Decision:
         return Decision(False, f"runner {runner}: atom's models serve text generation only")
     if convert not in (None, "none"):
         return Decision(False, f"--convert {convert}: atom's models serve text generation only")
+    if block_fp8(model_config) and on_nvidia() and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA:
+        return Decision(False, "a block-fp8 checkpoint on an NVIDIA GPU, where vLLM's own fp8 path measured "
+                               "faster at batch >= 64 (docs/performance.md); ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1 "
+                               "serves it with atom's model")
     return Decision(True, "text generation of an architecture atom implements")
+
+
+def block_fp8(model_config: Any) -> bool:
+    """Whether the checkpoint is HF ``fp8`` with ``weight_block_size`` (Qwen3-FP8, DeepSeek-V3)."""
+    quant = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(vars(quant))
+    return bool(quant) and quant.get("quant_method") == "fp8" and quant.get("weight_block_size") is not None
+
+
+def on_nvidia() -> bool:
+    """Whether vLLM's platform in this process is CUDA (not ROCm, not CPU)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
 
 
 def _with_stock_entries(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
