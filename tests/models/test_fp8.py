@@ -554,7 +554,8 @@ def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(fp8_checkpoint, kind,
     tells which side is off is the oracle's: atom's distance to it may not exceed stock's by
     more than fp8 noise. Measured on the H100 (vLLM 0.26), teacher-forced prompt mean / max
     |d logprob| vs the oracle: per-tensor atom 0.036 / 0.148, stock 0.039 / 0.152; block dense
-    atom 0.0065 / 0.024, stock 0.058 / 0.230; block MoE atom 0.024 / 0.214, stock 0.509 / 2.96
+    atom 0.0065 / 0.024 with dequantised dense layers, 0.057 / 0.251 since they stay fp8 (W8A8 on
+    the prefill; stock on CUTLASS 0.058 / 0.230); block MoE atom 0.024 / 0.214, stock 0.509 / 2.96
     (stock 0.26's Triton block-fp8 MoE is far from the exact weights at this tiny shape, so atom
     vs stock is asserted only where stock is near the oracle). The tiny random model's near-ties
     flip under fp8 activation rounding, so the logprob bounds are the check and the agreement
@@ -577,6 +578,8 @@ def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(fp8_checkpoint, kind,
           f"stock {stock_err}")
     assert atom_err["prompt_mean"] <= 1.5 * stock_err["prompt_mean"] + 0.01, (atom_err, stock_err)
     assert atom_err["prompt_max"] <= 1.5 * stock_err["prompt_max"] + 0.05, (atom_err, stock_err)
-    assert_close_greedy_run(ours, oracle, 0.3, prompt_atol=0.3, prompt_mean_atol=0.05, min_agreeing=0.2)
+    # Both sides quantise prefill activations per token group (atom from 17 tokens per step, the
+    # teacher-forced prompt is one prefill), so atom's absolute distance is stock's size.
+    assert_close_greedy_run(ours, oracle, 0.3, prompt_atol=0.3, prompt_mean_atol=0.08, min_agreeing=0.2)
     if stock_err["prompt_mean"] <= 0.1:  # atom vs stock means something only where stock is right
         assert_close_greedy_run(ours, stock, 0.3, prompt_atol=0.3, prompt_mean_atol=0.08, min_agreeing=0.2)
