@@ -246,10 +246,11 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", "bool", "0",
-            "Serve 128x128 block-fp8 checkpoints (Qwen3-FP8, DeepSeek-V3) with atom's models on "
-            "NVIDIA GPUs. Off by default: there atom steps aside and vLLM's own model serves them, "
-            "because vLLM's DeepGEMM path measured faster at 64+ concurrent sequences "
-            "(docs/performance.md). No effect on CPU, ROCm or per-tensor fp8.",
+            "Serve 128x128 block-fp8 checkpoints of dense architectures (Qwen3-FP8, Llama) with "
+            "atom's models on NVIDIA GPUs. Off by default: there atom steps aside and vLLM's own "
+            "model serves them, because vLLM's DeepGEMM path measured faster at 64+ concurrent "
+            "sequences (docs/performance.md). MoE architectures (Qwen3-MoE, DeepSeek-V3) are "
+            "atom's either way; no effect on CPU, ROCm or per-tensor fp8.",
             _parse_bool, _BOOL,
         ),
         EnvVar(

@@ -45,6 +45,8 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h100_2026-11-24b/ab_dense-fp8_c1.json"},
     {"path": "bench/results/h100_2026-11-24b/ab_dense-fp8_c64.json"},
     {"path": "bench/results/h100_2026-11-24b/ab_dense-fp8_c256.json"},
+    {"path": "bench/results/h100_2026-11-24b/ab_moe-fp8_c1.json"},
+    {"path": "bench/results/h100_2026-11-24b/ab_moe-fp8_c128.json"},
 ]
 
 

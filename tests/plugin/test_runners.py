@@ -65,8 +65,9 @@ def test_generation_is_still_atoms(sides):
 
 def test_block_fp8_on_nvidia_steps_aside_unless_enabled(monkeypatch):
     """The decision itself (the engine-level check is the GPU test in tests/models/test_fp8.py):
-    a 128x128 block-fp8 checkpoint on an NVIDIA GPU goes to vLLM's own model unless
-    ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1; per-tensor fp8 and other devices stay atom's."""
+    a 128x128 block-fp8 checkpoint of a dense architecture on an NVIDIA GPU goes to vLLM's own
+    model unless ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1; MoE architectures, per-tensor fp8 and other
+    devices stay atom's."""
     from types import SimpleNamespace
 
     from atom.plugin.vllm import overrides
@@ -80,7 +81,10 @@ def test_block_fp8_on_nvidia_steps_aside_unless_enabled(monkeypatch):
     monkeypatch.setattr(overrides, "on_nvidia", lambda: True)
     monkeypatch.delenv("ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", raising=False)
     refused = overrides.serves(["Qwen3ForCausalLM"], config(block))
-    assert not refused.value and "block-fp8 checkpoint on an NVIDIA GPU" in refused.reason
+    assert not refused.value and "dense block-fp8 checkpoint on an NVIDIA GPU" in refused.reason
+    assert not overrides.serves(["LlamaForCausalLM"], config(block)).value
+    assert overrides.serves(["Qwen3MoeForCausalLM"], config(block)).value
+    assert overrides.serves(["DeepseekV3ForCausalLM"], config(block)).value
     assert "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1" in refused.reason
     assert overrides.serves(["Qwen3ForCausalLM"], config(per_tensor)).value
     assert overrides.serves(["Qwen3ForCausalLM"], config(None)).value

@@ -9,10 +9,12 @@ a ``--convert`` adapter, or an architecture name vLLM maps onto a generative one
 ``vllm.models.resolve_model_cls`` / ``inspect_model_cls`` (group ``vllm.models``) answer with
 vLLM's own registry entries, saved here when atom overrides them, and one INFO line says so.
 
-atom also steps aside, by default, for 128x128-style block-fp8 checkpoints on NVIDIA GPUs:
-measured on the H100 (docs/performance.md, "block-fp8 weights stay fp8"), atom's fp8 model
-loses to vLLM's own path (DeepGEMM) at 64 and 256 concurrent sequences, so vLLM's model serves
-them unless ``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1``. Per-tensor fp8, CPU and ROCm are unaffected.
+atom also steps aside, by default, for 128x128-style block-fp8 checkpoints of dense (non-MoE)
+architectures on NVIDIA GPUs: measured on the H100 (docs/performance.md, "block-fp8 weights stay
+fp8"), atom's dense fp8 model loses to vLLM's own path (DeepGEMM) at 64 and 256 concurrent
+sequences, so vLLM's model serves them unless ``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1``. MoE
+architectures (their time is in the experts, where atom's fp8 model measured a tie), per-tensor
+fp8, CPU and ROCm are unaffected.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from atom.plugin.models import BY_ARCH
 
 logger = get_logger("atom.plugin")
 
+#: The wrapper of atom's dense (non-MoE) architectures.
+DENSE_WRAPPER = "ATOMForCausalLM"
 #: arch -> vLLM's own registry entry, saved when atom overrides the arch (this process).
 STOCK: dict[str, Any] = {}
 
@@ -49,10 +53,11 @@ def serves(architectures: Any, model_config: Any) -> Decision:
         return Decision(False, f"runner {runner}: atom's models serve text generation only")
     if convert not in (None, "none"):
         return Decision(False, f"--convert {convert}: atom's models serve text generation only")
-    if block_fp8(model_config) and on_nvidia() and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA:
-        return Decision(False, "a block-fp8 checkpoint on an NVIDIA GPU, where vLLM's own fp8 path measured "
-                               "faster at batch >= 64 (docs/performance.md); ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1 "
-                               "serves it with atom's model")
+    if (BY_ARCH[archs[0]].wrapper == DENSE_WRAPPER and block_fp8(model_config) and on_nvidia()
+            and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):
+        return Decision(False, "a dense block-fp8 checkpoint on an NVIDIA GPU, where vLLM's own fp8 path "
+                               "measured faster at batch >= 64 (docs/performance.md); "
+                               "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1 serves it with atom's model")
     return Decision(True, "text generation of an architecture atom implements")
 
 
