@@ -38,6 +38,7 @@ class Mutant:
 
 OPS = "tests/ops/test_numerical_details.py"
 DSV3_FP8 = "tests/models/test_deepseek_v3_fp8.py"
+FP8_GEMM = "tests/ops/test_fp8_gemm.py"
 
 MUTANTS = (
     # norm epsilons
@@ -158,6 +159,23 @@ MUTANTS = (
            "    if compat.platform_selects_mla_prefill() or current_platform.get_device_capability() is not None:",
            "    if True:",
            ("tests/vllm_range/test_lowest_engines.py::test_mla_deepseek_v3_through_atom_same_tokens_as_stock",)),
+    # block-fp8 GEMM (issue #16)
+    Mutant("fp8-gemm-triton-k-scale-column", "atom/ops/fp8_gemm_triton.py",
+           "sw = tl.load(ws_ptrs + k0 // SCALE_BK, mask=nmask, other=0.0)",
+           "sw = tl.load(ws_ptrs + 0 * k0, mask=nmask, other=0.0)", (FP8_GEMM,)),
+    Mutant("fp8-gemm-triton-split-k-sum", "atom/ops/fp8_gemm_triton.py",
+           "for s in tl.static_range(SPLIT_K):", "for s in tl.static_range(SPLIT_K - 1):", (FP8_GEMM,)),
+    Mutant("fp8-gemm-reference-tile-rows", "atom/ops/fp8_gemm.py",
+           "s = scale.float().repeat_interleave(bn, dim=-2)[..., :n, :]",
+           "s = scale.float().repeat_interleave(bk, dim=-2)[..., :n, :]",
+           (FP8_GEMM + "::test_reference_is_dequantise_then_matmul",)),
+    Mutant("fp8-linear-per-tensor-blocks", "atom/models/_linear.py",
+           "per_tile = self._row_scales()[::bn].to(self.weight.device)",
+           "per_tile = self._row_scales()[:1].expand(n // bn).to(self.weight.device)",
+           ("tests/models/test_fp8.py::test_model_alone_matches_hf_on_dequantized_weights",)),
+    Mutant("fp8-block-step-aside-off", "atom/plugin/vllm/overrides.py",
+           "            and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):", "            and False):",
+           ("tests/plugin/test_runners.py::test_block_fp8_on_nvidia_steps_aside_unless_enabled",)),
 )
 
 

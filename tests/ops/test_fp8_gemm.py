@@ -31,12 +31,12 @@ def test_reference_is_dequantise_then_matmul():
     """The reference against a hand-built dequantisation: every element of a partial edge tile
     uses its own tile's scale."""
     w = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]).to(FP8)
-    s = torch.tensor([[2.0, 10.0], [3.0, 100.0]])
-    wd = dequant_block_fp8(w, s, (2, 2))
-    expect = torch.tensor([[2.0, 4.0, 30.0], [8.0, 10.0, 60.0], [21.0, 24.0, 900.0]])
+    s = torch.tensor([[2.0, 3.0, 10.0], [5.0, 7.0, 100.0]])  # 2 x 1 tiles: rows {0, 1}, {2}
+    wd = dequant_block_fp8(w, s, (2, 1))
+    expect = torch.tensor([[2.0, 6.0, 30.0], [8.0, 15.0, 60.0], [35.0, 56.0, 900.0]])
     assert torch.equal(wd, expect)
     x = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
-    y = fp8_block_gemm(x, w, s, (2, 2), bias=torch.tensor([0.5, 0.0, -1.0]))
+    y = fp8_block_gemm(x, w, s, (2, 1), bias=torch.tensor([0.5, 0.0, -1.0]))
     torch.testing.assert_close(y, x @ expect.t() + torch.tensor([0.5, 0.0, -1.0]))
 
 
