@@ -117,8 +117,9 @@ def test_register_model_arms_them(monkeypatch):
 
 
 def test_vllm_loader_post_processing_runs_fp8_linear_repack():
-    """The linear record: vLLM's per-layer loop dequantises an fp8 column-parallel layer (the
-    only post-load call vLLM 0.26 makes), and revert removes the member again."""
+    """The linear record: vLLM's per-layer loop repacks an fp8 column-parallel layer for the block
+    GEMM (the only post-load call vLLM 0.26 makes; the weight stays fp8 and the layer computes
+    the dequantised product), and revert removes the member again."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     from atom.models._linear import ColumnParallelLinear, Fp8Linear
@@ -132,16 +133,20 @@ def test_vllm_loader_post_processing_runs_fp8_linear_repack():
     try:
         layer = ColumnParallelLinear.merged(32, [32, 32], ModelParallel(), dtype=torch.float32,
                                             quant=Fp8Spec(block=(16, 16)))
+        exact = []
         for shard in (0, 1):
             w, s = quantize_fp8(torch.randn(32, 32), [16, 16])
             layer.load_weight("weight", w, shard)
             layer.load_weight("weight_scale_inv", s, shard)
+            exact.append(w.float() * s.repeat_interleave(16, 0).repeat_interleave(16, 1))
         model = torch.nn.Module()
         model.proj = layer
         process_weights_after_loading(model, SimpleNamespace(dtype=torch.float32, quantization=None,
                                                              word_embeddings_untied_by_checkpoint=False),
                                       torch.device("cpu"))
-        assert layer.weight.dtype == torch.float32 and not hasattr(layer, "weight_scale_inv")
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.fp8_block == (16, 16)
+        x = torch.randn(3, 32)
+        torch.testing.assert_close(layer(x), x @ torch.cat(exact).t(), atol=1e-4, rtol=1e-4)
     finally:
         revert(LINEAR_PLUGIN_MODE)
     assert "quant_method" not in Fp8Linear.__dict__
