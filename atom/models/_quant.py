@@ -113,9 +113,8 @@ def layer_spec(spec: Optional[Fp8Spec], prefix: str, checkpoint_names: Iterable[
     return None if spec.is_ignored(full) else spec
 
 
-def dequant_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """fp8 ``[..., N, K]`` with per-tile ``scale [..., ceil(N/bn), ceil(K/bk)]`` -> float32."""
-    return dequant_block_fp8(weight, scale, block)
+#: fp8 ``[..., N, K]`` with per-tile ``scale [..., ceil(N/bn), ceil(K/bk)]`` -> float32.
+dequant_block = dequant_block_fp8
 
 
 def fp8_w8a8_from(device: torch.device) -> Optional[int]:

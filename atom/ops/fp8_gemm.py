@@ -34,8 +34,7 @@ from atom.ops._common import FLOAT_DTYPES, FP8_DTYPE
 from atom.ops._dispatch import declare
 from atom.ops.quant import per_block_quant_fp8
 
-__all__ = ["fp8_block_gemm", "dequant_block_fp8", "warm_up_fp8_block_gemm", "HostGemm", "set_host_gemm",
-           "host_gemm"]
+__all__ = ["fp8_block_gemm", "dequant_block_fp8", "warm_up_fp8_block_gemm", "HostGemm", "set_host_gemm"]
 
 
 def dequant_block_fp8(w: torch.Tensor, scale: torch.Tensor, block_shape: Sequence[int]) -> torch.Tensor:
@@ -124,10 +123,6 @@ def set_host_gemm(gemm: Optional[HostGemm]) -> None:
     """Offer (or, with None, withdraw) the host's block-fp8 GEMM for large batches."""
     global _HOST_GEMM
     _HOST_GEMM = gemm
-
-
-def host_gemm() -> Optional[HostGemm]:
-    return _HOST_GEMM
 
 
 def _w8a8(x: torch.Tensor, w8a8_from: Optional[int]) -> bool:

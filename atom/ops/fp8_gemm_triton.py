@@ -231,11 +231,11 @@ def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 
 def warm_up_sizes(w8a8_from: Optional[int]) -> list[int]:
-    """One batch size per configuration bucket (each bucket is one compiled variant), and the
-    first W8A8 size."""
+    """One batch size per configuration bucket (each bucket is one compiled variant, W8A16 below
+    ``w8a8_from`` and W8A8 from it), and the first W8A8 size."""
     sizes = {1, *(top + 1 for top in M_BUCKETS)}
     if w8a8_from is not None:
-        sizes = {s for s in sizes if s < w8a8_from} | {w8a8_from, max(w8a8_from, M_BUCKETS[-1] + 1)}
+        sizes.add(w8a8_from)
     return sorted(sizes)
 
 

@@ -36,6 +36,7 @@ import torch
 
 from atom.ops._common import FLOAT_DTYPES
 from atom.ops._dispatch import declare
+from atom.ops.fp8_gemm import dequant_block_fp8
 
 __all__ = ["fused_moe", "MOE_ACTIVATIONS", "fused_moe_torch", "per_token_group_quant_fp8_torch",
            "dequant_block_fp8_torch", "warm_up_fused_moe"]
@@ -73,12 +74,8 @@ def _qdq(x: torch.Tensor, group: int) -> torch.Tensor:
     return q.float() * s.repeat_interleave(group, dim=1)[:, : x.shape[1]]
 
 
-def dequant_block_fp8_torch(w: torch.Tensor, scale: torch.Tensor,
-                            block_shape: Sequence[int]) -> torch.Tensor:
-    """fp8 ``w [E, N, K]`` with ``scale [E, ceil(N/bn), ceil(K/bk)]`` -> float32 weights."""
-    from atom.ops.fp8_gemm import dequant_block_fp8
-
-    return dequant_block_fp8(w, scale, block_shape)
+#: fp8 ``w [E, N, K]`` with ``scale [E, ceil(N/bn), ceil(K/bk)]`` -> float32 weights.
+dequant_block_fp8_torch = dequant_block_fp8
 
 
 def gated_activation_torch(h: torch.Tensor, activation: str = "silu", swiglu_alpha: float = 1.702,

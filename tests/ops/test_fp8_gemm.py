@@ -129,6 +129,7 @@ def test_warm_up_compiles_every_bucket():
     w, s = _weights(64, 128, (64, 64))
     n = warm_up_fp8_block_gemm(w, s, (64, 64), act_dtype=torch.bfloat16, w8a8_from=65, force=True)
     assert n == len(warm_up_sizes(65)) and 65 in warm_up_sizes(65) and 1 in warm_up_sizes(65)
+    assert {1, 17, 65, 257} <= set(warm_up_sizes(17))  # every tile bucket, whatever the W8A8 edge
     assert warm_up_fp8_block_gemm(w, s, (64, 64), act_dtype=torch.bfloat16, w8a8_from=65, force=True) == 0
 
 
