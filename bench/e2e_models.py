@@ -22,6 +22,17 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
     ), 4),
+    # Qwen3-32B / Qwen3-235B-A22B dims (the fp8 issue's other two shapes; fewer layers)
+    "dense32": ("Qwen3Config", dict(
+        hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    ), 4),
+    "moe235": ("Qwen3MoeConfig", dict(
+        hidden_size=4096, intermediate_size=12288, num_attention_heads=64, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ), 4),
     "mla": ("DeepseekV3Config", dict(
         hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=64,
         num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=1,
