@@ -245,6 +245,14 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_nonneg_int, "an integer >= 0",
         ),
         EnvVar(
+            "ATOM_FP8_FUSED_ACT_QUANT", "bool", "1",
+            "Block-scaled fp8 models with W8A8 enabled (GPUs, or ATOM_FP8_W8A8_MIN_TOKENS set): the "
+            "RMSNorm (with its residual add) and SiLU-and-mul kernels in front of an fp8 linear or "
+            "fp8 experts also write their output's per-token-group fp8 quantisation, so no separate "
+            "quantisation kernel runs before the GEMM; 0 = quantise inside each GEMM call instead.",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
             "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", "bool", "0",
             "Serve 128x128 block-fp8 checkpoints of dense architectures (Qwen3-FP8, Llama) with "
             "atom's models on NVIDIA GPUs. Off by default: there atom steps aside and vLLM's own "

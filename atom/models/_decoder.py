@@ -30,7 +30,14 @@ import torch
 from torch import nn
 
 from atom.config import Config
-from atom.models._layers import RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
+from atom.models._layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    fp8_input_readers,
+    link_fp8_producers,
+    rope_parameters,
+)
 from atom.models._linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -41,6 +48,7 @@ from atom.models._loading import StackedParams, load_checkpoint_weights
 from atom.models._moe import FusedMoE
 from atom.models._quant import Fp8Spec, fp8_spec, layer_spec
 from atom.models.interfaces import AttentionFactory, ModelParallel
+from atom.ops.fused_quant import Activation
 
 #: The dense layers' fused checkpoint matrices (see :func:`load_checkpoint_weights`).
 STACKED_PARAMS = (
@@ -78,6 +86,11 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype)
+
+    def fp8_producer_links(self) -> list[tuple[RMSNorm, Optional[list[Any]]]]:
+        """Each norm quantises for the block after it when that block's readers take fp8."""
+        return [(self.input_layernorm, fp8_input_readers(self.self_attn)),
+                (self.post_attention_layernorm, fp8_input_readers(self.mlp))]
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
@@ -146,6 +159,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+        link_fp8_producers(self)  # block-fp8 checkpoints: norms / activations quantise for their GEMMs
 
     # -- what a model defines --------------------------------------------------------------------
     def build_layers(self, config: Config, make_attention: AttentionFactory, parallel: ModelParallel,
@@ -238,7 +252,7 @@ class GQAProjections(nn.Module):
         return make_attention(num_heads=self.num_heads, head_dim=self.head_dim, scale=self.head_dim**-0.5,
                               num_kv_heads=self.num_kv_heads, prefix=join_prefix(prefix, "attn"), **options)
 
-    def split_qkv(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
+    def split_qkv(self, hidden_states: Activation) -> list[torch.Tensor]:
         """``[q, k, v]`` of ``hidden_states`` (views of one fused projection)."""
         return self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
@@ -275,7 +289,10 @@ class DecoderAttention(GQAProjections):
             and fuse(self.attn, self.q_norm, self.k_norm, rotary_emb)
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def fp8_input_readers(self) -> list[Any]:
+        return [self.qkv_proj]
+
+    def forward(self, positions: torch.Tensor, hidden_states: Activation) -> torch.Tensor:
         q, k, v = self.split_qkv(hidden_states)
         if self.qk_norm_rope_fused:
             return self.o_proj(self.attn(q, k, v))
@@ -315,7 +332,13 @@ class GatedMLP(nn.Module):
         return cls(hf_config.hidden_size, intermediate_size or hf_config.intermediate_size, parallel, dtype,
                    bias=bias, quant=quant, checkpoint_prefix=checkpoint_prefix)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fp8_input_readers(self) -> list[Any]:
+        return [self.gate_up_proj]
+
+    def fp8_producer_links(self) -> list[tuple[SiluAndMul, list[Any]]]:
+        return [(self.act_fn, [self.down_proj])]
+
+    def forward(self, x: Activation) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

@@ -1,42 +1,99 @@
 """Elementwise building blocks of atom's models: RMSNorm, rotary embedding, SiLU-and-mul.
 
 Each module's forward calls atom's dispatched op (:mod:`atom.ops`: AITER, Triton, or the torch
-reference, chosen per call by device and dtype).
+reference, chosen per call by device and dtype). RMSNorm and SiLU-and-mul in front of block-fp8
+GEMMs also quantise their output for them (:class:`Fp8Producer`, :func:`link_fp8_producers`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from atom import ops
+from atom.ops.fused_quant import QuantizedActivation
 
 
-class RMSNorm(nn.Module):
+# -- fp8 producers --------------------------------------------------------------------------------
+class Fp8Producer:
+    """A module whose output may feed block-fp8 GEMMs directly: once :func:`link_fp8_producers`
+    sets ``quant_group``, its kernel also writes the output's 1 x ``quant_group`` fp8
+    quantisation and it returns a :class:`~atom.ops.fused_quant.QuantizedActivation` (see
+    :mod:`atom.ops.fused_quant`), which atom's fp8 linears and experts read without quantising."""
+
+    quant_group: Optional[int] = None
+    quant_column_major: bool = False
+
+    def quantise_for(self, readers: Optional[Sequence[Any]]) -> bool:
+        """Write the fp8 form when every reader takes it (``fp8_input_spec()``: ``(group, dense)``),
+        all with the same group; column-major scales when every reader is a dense linear (the
+        layout vLLM's CUTLASS GEMM reads). Returns whether it now does."""
+        specs = [getattr(r, "fp8_input_spec", lambda: None)() for r in readers or ()]
+        if not specs or any(s is None for s in specs) or len({s[0] for s in specs}) != 1:
+            self.quant_group, self.quant_column_major = None, False
+            return False
+        self.quant_group, self.quant_column_major = int(specs[0][0]), all(s[1] for s in specs)
+        return True
+
+
+def fp8_input_readers(block: nn.Module) -> Optional[list[Any]]:
+    """The modules that read ``block``'s input as a block-fp8 GEMM operand (its
+    ``fp8_input_readers()``), or None when the block does not take a quantised activation."""
+    readers = getattr(block, "fp8_input_readers", None)
+    return None if readers is None else readers()
+
+
+def link_fp8_producers(root: nn.Module) -> int:
+    """Let every producer that feeds only block-fp8 readers write the fp8 form as well
+    (``ATOM_FP8_FUSED_ACT_QUANT``; the pairs come from each module's ``fp8_producer_links()``).
+    Called when a model is built: the readers' specs depend on the quantisation config, the
+    weights' device and ``ATOM_FP8_W8A8_MIN_TOKENS``. Returns the producers linked."""
+    from atom import envs
+
+    enabled = envs.ATOM_FP8_FUSED_ACT_QUANT
+    linked = 0
+    for module in root.modules():
+        links = getattr(module, "fp8_producer_links", None)
+        for producer, readers in links() if links is not None else ():
+            linked += producer.quantise_for(readers if enabled else None)
+    return linked
+
+
+class RMSNorm(Fp8Producer, nn.Module):
     """RMSNorm over the last dim; with ``residual`` it first adds it (fused) and returns
-    ``(normed, x + residual)``, the new residual stream."""
+    ``(normed, x + residual)``, the new residual stream. Linked to fp8 readers
+    (:class:`Fp8Producer`), ``normed`` is a :class:`~atom.ops.fused_quant.QuantizedActivation`."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Any:
+        if self.quant_group is None or x.dim() != 2:
+            return ops.rms_norm(x, self.weight, self.eps, residual)
+        out = ops.rms_norm_quant_fp8(x, self.weight, self.eps, residual, self.quant_group, self.quant_column_major)
+        if residual is None:
+            return QuantizedActivation(*out)
+        return QuantizedActivation(out[0], out[2], out[3]), out[1]
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 # -- SiLU and mul ---------------------------------------------------------------------------------
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(x)
+class SiluAndMul(Fp8Producer, nn.Module):
+    """``silu(x[..., :d]) * x[..., d:]``; linked to fp8 readers (:class:`Fp8Producer`), a
+    :class:`~atom.ops.fused_quant.QuantizedActivation`."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.quant_group is None or x.dim() != 2:
+            return ops.silu_and_mul(x)
+        return QuantizedActivation(*ops.silu_and_mul_quant_fp8(x, self.quant_group, self.quant_column_major))
 
 
 # -- Rotary embedding -----------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from atom.models._quant import (
     scaled_mm_usable,
 )
 from atom.models.interfaces import ModelParallel
+from atom.ops.fused_quant import Activation, QuantizedActivation
 
 VOCAB_PADDING = 64
 
@@ -184,11 +185,23 @@ class Fp8Linear(nn.Module):
             self.input_scale = nn.Parameter(self.input_scale.float().max(), requires_grad=False)
         self.fp8_gemm = True
 
-    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def fp8_input_spec(self) -> Optional[tuple[int, bool]]:
+        """``(block_k, True)`` when this layer's GEMM will read a producer's fp8 activations
+        (:func:`atom.models._layers.link_fp8_producers`): block-scaled, not dequantised, W8A8 on
+        its device; else None. Decided from the config when the model is built (the weights are
+        repacked later; a layer that does not end up on the block GEMM reads ``x`` as usual)."""
+        q = self.quant
+        if q is None or q.block is None or q.dequantize or fp8_w8a8_from(self.weight.device) is None:
+            return None
+        return int(q.block[1]), True
+
+    def _matmul(self, x: Activation, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        act, x = (x, x.x) if isinstance(x, QuantizedActivation) else (None, x)
         if self.fp8_block is not None:
             shape = x.shape
+            fp8_in = {} if act is None or x.dim() != 2 else dict(x_fp8=act.q, x_fp8_scale=act.scale)
             y = ops.fp8_block_gemm(x.reshape(-1, shape[-1]), self.weight, self.weight_scale_inv, self.fp8_block,
-                                   bias=bias, w8a8_from=self.w8a8_from)
+                                   bias=bias, w8a8_from=self.w8a8_from, **fp8_in)
             return y.reshape(*shape[:-1], y.shape[-1])
         if not self.fp8_gemm:
             if self.weight.dtype == FP8_DTYPE:
@@ -321,7 +334,7 @@ class ColumnParallelLinear(Fp8Linear):
     def _shard_rows(self) -> list[int]:
         return [self.slices[k].size for k in self.shard_order]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Activation) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
     def extra_repr(self) -> str:
@@ -382,7 +395,7 @@ class RowParallelLinear(Fp8Linear):
     def _gemm_bias(self) -> Optional[torch.Tensor]:
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Activation) -> torch.Tensor:
         y = self._matmul(x)
         if self.parallel.tp_size > 1:
             y = self.parallel.tp_group.all_reduce(y)

@@ -41,8 +41,9 @@ from torch import nn
 from atom import ops
 from atom.models._linear import divide
 from atom.models._loading import StackedParams
-from atom.models._quant import FP8_DTYPE, Fp8Spec, dequant_block
+from atom.models._quant import FP8_DTYPE, Fp8Spec, dequant_block, fp8_w8a8_from
 from atom.models.interfaces import ModelParallel
+from atom.ops.fused_quant import Activation, QuantizedActivation
 
 #: Position of each checkpoint matrix in an expert's stacked weights (shard id = (expert, this)).
 GATE, UP, DOWN = 0, 1, 2
@@ -260,18 +261,31 @@ class FusedMoE(nn.Module):
         self.w2_weight_scale_inv = nn.Parameter(w2_scale.contiguous(), requires_grad=False)
         self.block_shape = tuple(block)
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def fp8_input_spec(self) -> Optional[tuple[int, bool]]:
+        """``(block_k, False)`` when the experts will read a producer's fp8 activations
+        (block-scaled experts on a GPU, where they stay fp8, with W8A8 on), else None."""
+        q = self.quant
+        dev = self.w13.device
+        if q is None or q.block is None or dev.type != "cuda" or fp8_w8a8_from(dev) is None:
+            return None
+        return int(q.block[1]), False
+
+    def forward(self, hidden_states: Activation, router_logits: torch.Tensor) -> torch.Tensor:
         """Softmax top-k routing of ``router_logits`` ``[T, num_experts]``, then the experts."""
         topk_weights, topk_ids = ops.topk_softmax(router_logits, self.top_k, self.renormalize)
         return self.forward_routed(hidden_states, topk_weights, topk_ids)
 
-    def forward_routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+    def forward_routed(self, hidden_states: Activation, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts for a routing already chosen (``[T, top_k]`` weights and global ids),
         summed over the TP or EP group."""
         if self.block_shape is None and self.w13.dtype == FP8_DTYPE:
             raise RuntimeError("fp8 experts used before process_weights_after_loading() repacked them")
-        out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, **self._fused_moe_kwargs())
+        act, hidden_states = ((hidden_states, hidden_states.x) if isinstance(hidden_states, QuantizedActivation)
+                              else (None, hidden_states))
+        fp8_in = {} if act is None or self.block_shape is None else dict(x_fp8=act.q, x_fp8_scale=act.scale)
+        out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, **self._fused_moe_kwargs(),
+                            **fp8_in)
         if self.reduce_group is not None:
             out = self.reduce_group.all_reduce(out)
         return out

@@ -73,6 +73,7 @@ from atom.models._loading import StackedParams
 from atom.models._moe import FusedMoE, GroupedTopkRouter
 from atom.models._quant import Fp8Spec, fp8_spec, layer_spec
 from atom.models.interfaces import AttentionFactory, ModelParallel
+from atom.ops.fused_quant import Activation, plain
 
 #: DeepSeek's RoPE base when a config omits it.
 DEFAULT_ROPE_THETA = 10_000.0
@@ -206,8 +207,16 @@ class DeepseekV3Attention(nn.Module):
             prefix=join_prefix(prefix, "attn"),
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        t = hidden_states.shape[0]
+    def fp8_input_readers(self) -> list[Any]:
+        if self.fused_qkv_a:
+            return [self.fused_qkv_a_proj]
+        return [self.kv_a_proj_with_mqa, self.q_a_proj if self.q_lora_rank is not None else self.q_proj]
+
+    def fp8_producer_links(self) -> list[tuple[Any, list[Any]]]:
+        return [(self.q_a_layernorm, [self.q_b_proj])] if self.q_lora_rank is not None else []
+
+    def forward(self, positions: torch.Tensor, hidden_states: Activation) -> torch.Tensor:
+        t = plain(hidden_states).shape[0]
         if self.fused_qkv_a:
             q_c, kv_a = self.fused_qkv_a_proj(hidden_states).split(
                 [self.q_lora_rank, self.kv_lora_rank + self.rope], dim=-1)
@@ -282,8 +291,13 @@ class DeepseekV3MoE(nn.Module):
             if shared else None
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(hidden_states)
+    def fp8_input_readers(self) -> list[Any]:
+        # the router reads the activation-dtype form
+        shared = [] if self.shared_experts is None else self.shared_experts.fp8_input_readers()
+        return [self.experts, *shared]
+
+    def forward(self, hidden_states: Activation) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(plain(hidden_states))
         out = self.experts.forward_routed(hidden_states, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)

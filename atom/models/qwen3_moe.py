@@ -25,6 +25,7 @@ from atom.models._moe import FusedMoE
 from atom.models._quant import Fp8Spec, layer_spec
 from atom.models.interfaces import ModelParallel
 from atom.models.qwen3 import DEFAULT_ROPE_THETA, qwen3_attention
+from atom.ops.fused_quant import Activation, plain
 
 
 def num_experts(hf_config: Any) -> int:
@@ -64,8 +65,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
                              [f"experts.{e}.{p}" for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")]),
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden_states, self.gate(hidden_states))
+    def fp8_input_readers(self) -> list[Any]:
+        return [self.experts]  # the router reads the activation-dtype form
+
+    def forward(self, hidden_states: Activation) -> torch.Tensor:
+        return self.experts(hidden_states, self.gate(plain(hidden_states)))
 
 
 class Qwen3MoeForCausalLM(LlamaFamilyForCausalLM):

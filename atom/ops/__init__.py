@@ -13,6 +13,7 @@ from atom.ops.kv_cache import reshape_and_cache  # noqa: E402
 from atom.ops.fused_qk_norm_rope_cache import fused_qk_norm_rope_cache, split_qkv  # noqa: E402
 from atom.ops.activation import silu_and_mul  # noqa: E402
 from atom.ops.quant import per_block_quant_fp8, per_token_quant_fp8  # noqa: E402
+from atom.ops.fused_quant import rms_norm_quant_fp8, silu_and_mul_quant_fp8  # noqa: E402
 
 __all__ += [
     "rms_norm",
@@ -23,6 +24,8 @@ __all__ += [
     "silu_and_mul",
     "per_token_quant_fp8",
     "per_block_quant_fp8",
+    "rms_norm_quant_fp8",
+    "silu_and_mul_quant_fp8",
 ]
 
 # Compute ops (paged attention, MLA, fused MoE): importing the modules registers them in OPS.

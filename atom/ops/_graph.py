@@ -28,7 +28,9 @@ see either form.
 
 Covered: the calls atom's models make (RMSNorm with and without the fused residual add, fp8
 output included; RoPE in place; SiLU-and-mul; softmax and grouped-sigmoid top-k routing; fused MoE
-with expert biases and either activation; the block-scaled fp8 linear). An op without a graph form is traced as it is (fine for pure-torch code; otherwise Dynamo reports where it
+with expert biases and either activation; the block-scaled fp8 linear and the producers that
+quantise for it, :mod:`atom.ops.fused_quant`, which have no inductor form: their point is the
+one kernel). An op without a graph form is traced as it is (fine for pure-torch code; otherwise Dynamo reports where it
 stopped). Each node's real implementation returns fresh tensors (never an input or a view of one),
 and declares the inputs it writes (``mutates_args``), as ``torch.library`` requires.
 
@@ -43,6 +45,7 @@ import torch
 
 from atom.ops.activation import SILU_AND_MUL
 from atom.ops.fp8_gemm import fp8_block_gemm
+from atom.ops.fused_quant import rms_norm_quant_fp8, silu_and_mul_quant_fp8
 from atom.ops.moe import fused_moe
 from atom.ops.moe_routing import grouped_topk_sigmoid, topk_softmax
 from atom.ops.rmsnorm import RMS_NORM
@@ -185,27 +188,31 @@ def _fused_moe_node(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
                     w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
                     block_shape: Optional[list[int]] = None, w13_bias: Optional[torch.Tensor] = None,
                     w2_bias: Optional[torch.Tensor] = None, activation: str = "silu",
-                    swiglu_alpha: float = 1.702, swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
+                    swiglu_alpha: float = 1.702, swiglu_limit: Optional[float] = 7.0,
+                    x_fp8: Optional[torch.Tensor] = None,
+                    x_fp8_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, w13_scale=w13_scale,
                     w2_scale=w2_scale, block_shape=block_shape, w13_bias=w13_bias, w2_bias=w2_bias,
-                    activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                    activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                    x_fp8=x_fp8, x_fp8_scale=x_fp8_scale)
     return _fresh(out, (x, w13, w2, topk_weights, topk_ids))
 
 
 @_fused_moe_node.register_fake
 def _(x, w13, w2, topk_weights, topk_ids, expert_map=None, w13_scale=None, w2_scale=None, block_shape=None,
-      w13_bias=None, w2_bias=None, activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0):
+      w13_bias=None, w2_bias=None, activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, x_fp8=None,
+      x_fp8_scale=None):
     return x.new_empty(x.shape)
 
 
 @fused_moe.graph
 def _fused_moe_graph(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_scale=None, w2_scale=None,
                      block_shape=None, out=None, w13_bias=None, w2_bias=None, activation="silu",
-                     swiglu_alpha=1.702, swiglu_limit=7.0):
+                     swiglu_alpha=1.702, swiglu_limit=7.0, x_fp8=None, x_fp8_scale=None):
     y = torch.ops.atom.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
                                  None if block_shape is None else [int(b) for b in block_shape],
                                  w13_bias, w2_bias, str(activation), float(swiglu_alpha),
-                                 None if swiglu_limit is None else float(swiglu_limit))
+                                 None if swiglu_limit is None else float(swiglu_limit), x_fp8, x_fp8_scale)
     return y if out is None else out.copy_(y)
 
 
@@ -213,20 +220,87 @@ def _fused_moe_graph(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13
 @torch.library.custom_op(f"{LIB}::fp8_block_gemm", mutates_args=())
 def _fp8_block_gemm_node(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_shape: list[int],
                          x_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                         out_dtype: Optional[torch.dtype] = None, w8a8_from: Optional[int] = None) -> torch.Tensor:
+                         out_dtype: Optional[torch.dtype] = None, w8a8_from: Optional[int] = None,
+                         x_fp8: Optional[torch.Tensor] = None,
+                         x_fp8_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     y = fp8_block_gemm(x, weight, weight_scale, block_shape, x_scale=x_scale, bias=bias, out_dtype=out_dtype,
-                       w8a8_from=w8a8_from)
+                       w8a8_from=w8a8_from, x_fp8=x_fp8, x_fp8_scale=x_fp8_scale)
     return _fresh(y, (x, weight, weight_scale))
 
 
 @_fp8_block_gemm_node.register_fake
-def _(x, weight, weight_scale, block_shape, x_scale=None, bias=None, out_dtype=None, w8a8_from=None):
+def _(x, weight, weight_scale, block_shape, x_scale=None, bias=None, out_dtype=None, w8a8_from=None, x_fp8=None,
+      x_fp8_scale=None):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
 
 
 @fp8_block_gemm.graph
 def _fp8_block_gemm_graph(x, weight, weight_scale, block_shape, *, x_scale=None, bias=None, out_dtype=None,
-                          out=None, w8a8_from=None):
+                          out=None, w8a8_from=None, x_fp8=None, x_fp8_scale=None):
     y = torch.ops.atom.fp8_block_gemm(x, weight, weight_scale, [int(b) for b in block_shape], x_scale, bias,
-                                      out_dtype, None if w8a8_from is None else int(w8a8_from))
+                                      out_dtype, None if w8a8_from is None else int(w8a8_from), x_fp8, x_fp8_scale)
     return y if out is None else out.copy_(y)
+
+
+# -- producers that also quantise (atom.ops.fused_quant) ----------------------------------------
+def _scales_like(x: torch.Tensor, k: int, group: int, column_major_scales: bool) -> torch.Tensor:
+    m, g = x.shape[0], -(-k // group)
+    if column_major_scales:
+        return x.new_empty((g, m), dtype=torch.float32).t()
+    return x.new_empty((m, g), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{LIB}::rms_norm_quant_fp8", mutates_args=())
+def _rms_norm_quant_node(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
+                         column_major_scales: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, q, s = rms_norm_quant_fp8(x, weight, eps, None, group, column_major_scales)
+    inputs = (x, weight)
+    return _fresh(y, inputs), q, s
+
+
+@_rms_norm_quant_node.register_fake
+def _(x, weight, eps, group, column_major_scales):
+    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            _scales_like(x, x.shape[1], group, column_major_scales))
+
+
+@torch.library.custom_op(f"{LIB}::fused_add_rms_norm_quant_fp8", mutates_args=())
+def _fused_add_rms_norm_quant_node(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                   group: int, column_major_scales: bool
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, r, q, s = rms_norm_quant_fp8(x, weight, eps, residual, group, column_major_scales)
+    inputs = (x, residual, weight)
+    return _fresh(y, inputs), _fresh(r, inputs), q, s
+
+
+@_fused_add_rms_norm_quant_node.register_fake
+def _(x, residual, weight, eps, group, column_major_scales):
+    return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            _scales_like(x, x.shape[1], group, column_major_scales))
+
+
+@rms_norm_quant_fp8.graph
+def _rms_norm_quant_graph(x, weight, eps, residual=None, group=128, column_major_scales=False):
+    if residual is None:
+        return torch.ops.atom.rms_norm_quant_fp8(x, weight, float(eps), int(group), bool(column_major_scales))
+    return torch.ops.atom.fused_add_rms_norm_quant_fp8(x, residual, weight, float(eps), int(group),
+                                                       bool(column_major_scales))
+
+
+@torch.library.custom_op(f"{LIB}::silu_and_mul_quant_fp8", mutates_args=())
+def _silu_quant_node(x: torch.Tensor, group: int,
+                     column_major_scales: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, q, s = silu_and_mul_quant_fp8(x, group, column_major_scales)
+    return _fresh(y, (x,)), q, s
+
+
+@_silu_quant_node.register_fake
+def _(x, group, column_major_scales):
+    d = x.shape[1] // 2
+    return (x.new_empty((x.shape[0], d)), x.new_empty((x.shape[0], d), dtype=torch.float8_e4m3fn),
+            _scales_like(x, d, group, column_major_scales))
+
+
+@silu_and_mul_quant_fp8.graph
+def _silu_quant_graph(x, group=128, column_major_scales=False):
+    return torch.ops.atom.silu_and_mul_quant_fp8(x, int(group), bool(column_major_scales))

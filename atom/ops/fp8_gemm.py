@@ -19,7 +19,9 @@ Two activation forms, one op (:func:`fp8_block_gemm`):
 ``w8a8_from``: with a float ``x`` of at least that many rows, the op quantises ``x`` itself
 (:func:`atom.ops.per_block_quant_fp8`, groups of ``bk``) and runs the W8A8 form; below it, W8A16.
 The choice is made inside the op, per call, so a torch.compile graph holds one node for every
-batch size. From a host-set batch size the op may instead call a GEMM the host ships
+batch size. ``x_fp8`` / ``x_fp8_scale``: ``x``'s own 1 x ``bk`` quantisation, written by the
+kernel that produced ``x`` (:mod:`atom.ops.fused_quant`); wherever the op would quantise ``x``
+(W8A8, the host GEMM) it reads these instead, so no quantisation kernel runs in front of it. From a host-set batch size the op may instead call a GEMM the host ships
 (:func:`set_host_gemm`; vLLM's plugin offers vLLM's CUTLASS block-fp8 kernel, which the
 kernel table in docs/performance.md shows faster than atom's Triton kernel from M ~ 128). Which threshold a layer uses is the layer's choice (:mod:`atom.models._linear`).
 """
@@ -47,7 +49,8 @@ def dequant_block_fp8(w: torch.Tensor, scale: torch.Tensor, block_shape: Sequenc
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_shape: Sequence[int],
            x_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
-           out: Optional[torch.Tensor]) -> torch.dtype:
+           out: Optional[torch.Tensor], x_fp8: Optional[torch.Tensor] = None,
+           x_fp8_scale: Optional[torch.Tensor] = None) -> torch.dtype:
     """Validate (the same for every backend); returns the output dtype."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -74,6 +77,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bl
         if x_scale is not None:
             raise ValueError("x_scale goes with an fp8 x only")
         dtype = out_dtype or x.dtype
+    if (x_fp8 is None) != (x_fp8_scale is None):
+        raise ValueError("x_fp8 and x_fp8_scale go together")
+    if x_fp8 is not None:
+        want_x = (x.shape[0], want[1])
+        if x.dtype == FP8_DTYPE or x_fp8.dtype != FP8_DTYPE or x_fp8.shape != x.shape:
+            raise ValueError(f"x_fp8 must be float8_e4m3fn {list(x.shape)} next to a float x")
+        if tuple(x_fp8_scale.shape) != want_x or x_fp8_scale.dtype != torch.float32:
+            raise ValueError(f"x_fp8_scale must be float32 {list(want_x)} (per token and group of {bk})")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
     if out is not None and (tuple(out.shape) != (x.shape[0], n) or out.dtype != dtype):
@@ -87,12 +98,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bl
 def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    block_shape: Sequence[int], *, x_scale: Optional[torch.Tensor] = None,
                    bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                   out: Optional[torch.Tensor] = None, w8a8_from: Optional[int] = None) -> torch.Tensor:
+                   out: Optional[torch.Tensor] = None, w8a8_from: Optional[int] = None,
+                   x_fp8: Optional[torch.Tensor] = None, x_fp8_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y [M, N] = x @ dequant(weight).T (+ bias)`` (see the module docstring). The reference:
     float32 math on the dequantised weight (and, for fp8 ``x``, the dequantised activations)."""
-    dtype = _check(x, weight, weight_scale, block_shape, x_scale, bias, out_dtype, out)
+    dtype = _check(x, weight, weight_scale, block_shape, x_scale, bias, out_dtype, out, x_fp8, x_fp8_scale)
     if _w8a8(x, w8a8_from):
-        x, x_scale = per_block_quant_fp8.reference(x, int(block_shape[1]))
+        x, x_scale = ((x_fp8, x_fp8_scale) if x_fp8 is not None
+                      else per_block_quant_fp8.reference(x, int(block_shape[1])))
     xf = x.float()
     if x_scale is not None:
         bk = int(block_shape[1])
@@ -108,8 +121,9 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 class HostGemm(NamedTuple):
     """A block-fp8 GEMM the host framework ships (vLLM: its CUTLASS ``cutlass_scaled_mm``),
     offered by the host's plugin (:func:`set_host_gemm`) and used from ``min_tokens`` rows up.
-    ``fn(x, weight, weight_scale, block_shape, bias)`` returns ``y``, or None where it does not
-    apply (the op then runs atom's kernel)."""
+    ``fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)`` returns ``y``, or None
+    where it does not apply (the op then runs atom's kernel); ``x_fp8`` / ``x_fp8_scale`` (None
+    when absent) are ``x``'s fused 1 x 128 quantisation, any scale strides."""
 
     fn: Callable[..., Optional[torch.Tensor]]
     min_tokens: int
@@ -146,17 +160,20 @@ def _triton_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 def _fp8_block_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            block_shape: Sequence[int], *, x_scale: Optional[torch.Tensor] = None,
                            bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                           out: Optional[torch.Tensor] = None, w8a8_from: Optional[int] = None) -> torch.Tensor:
-    dtype = _check(x, weight, weight_scale, block_shape, x_scale, bias, out_dtype, out)
+                           out: Optional[torch.Tensor] = None, w8a8_from: Optional[int] = None,
+                           x_fp8: Optional[torch.Tensor] = None,
+                           x_fp8_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    dtype = _check(x, weight, weight_scale, block_shape, x_scale, bias, out_dtype, out, x_fp8, x_fp8_scale)
     from atom.ops.fp8_gemm_triton import fp8_block_gemm_fwd
 
     host = _HOST_GEMM
     if host is not None and x_scale is None and out is None and x.shape[0] >= host.min_tokens:
-        y = host.fn(x, weight, weight_scale, block_shape, bias)
+        y = host.fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)
         if y is not None:
             return y
     if _w8a8(x, w8a8_from):
-        x, x_scale = per_block_quant_fp8.run("triton", x, int(block_shape[1]))
+        x, x_scale = ((x_fp8, x_fp8_scale) if x_fp8 is not None
+                      else per_block_quant_fp8.run("triton", x, int(block_shape[1])))
 
     return fp8_block_gemm_fwd(x, weight, weight_scale, (int(block_shape[0]), int(block_shape[1])),
                               x_scale=x_scale, bias=bias, out_dtype=dtype, out=out)

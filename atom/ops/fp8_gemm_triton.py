@@ -40,10 +40,10 @@ def _tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
 
 
-@triton.jit(do_not_specialize=["M", "split_k"])
+@triton.jit(do_not_specialize=["M", "split_k", "stride_xsm", "stride_xsk"])
 def _fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, split_k,
-    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym, stride_ys,
+    stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wsn, stride_ym, stride_ys,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, GROUP_M: tl.constexpr,
     A_FP8: tl.constexpr, ADD_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
@@ -88,14 +88,14 @@ def _fp8_gemm_kernel(
         if SWAP_AB:
             part = tl.dot(tl.trans(w), tl.trans(x), input_precision=PREC)
             if A_FP8:
-                sx = tl.load(xs_ptrs + k0 // SCALE_BK, mask=mmask, other=0.0)
+                sx = tl.load(xs_ptrs + (k0 // SCALE_BK) * stride_xsk, mask=mmask, other=0.0)
                 acc += part * (sw[:, None] * sx[None, :])
             else:
                 acc += part * sw[:, None]
         else:
             part = tl.dot(x, w, input_precision=PREC)
             if A_FP8:
-                sx = tl.load(xs_ptrs + k0 // SCALE_BK, mask=mmask, other=0.0)
+                sx = tl.load(xs_ptrs + (k0 // SCALE_BK) * stride_xsk, mask=mmask, other=0.0)
                 acc += part * (sx[:, None] * sw[None, :])
             else:
                 acc += part * sw[None, :]
@@ -215,7 +215,7 @@ def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     xs = x_scale if x_scale is not None else weight_scale  # unused pointer when not A_FP8
     _fp8_gemm_kernel[grid](
         x, xs, weight, weight_scale, bias if bias is not None else weight_scale, target, m, n, k, split,
-        x.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0), stride_ym, stride_ys,
+        x.stride(0), xs.stride(0), xs.stride(1), weight.stride(0), weight_scale.stride(0), stride_ym, stride_ys,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SCALE_BN=block_shape[0], SCALE_BK=block_shape[1], GROUP_M=cfg.group_m,
         A_FP8=a_fp8, ADD_BIAS=bias is not None and split == 1, SWAP_AB=cfg.swap_ab,

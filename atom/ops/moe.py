@@ -151,21 +151,29 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     w2_bias: Optional[torch.Tensor] = None,
                     activation: str = "silu",
                     swiglu_alpha: float = 1.702,
-                    swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
+                    swiglu_limit: Optional[float] = 7.0,
+                    x_fp8: Optional[torch.Tensor] = None,
+                    x_fp8_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Fused MoE expert MLP of ``x [tokens, hidden]`` routed by ``topk_weights`` / ``topk_ids``
     (see the module docstring). The reference: float32 math, one dense matmul pair per expert
-    that has tokens.
+    that has tokens. fp8 experts: ``x_fp8`` / ``x_fp8_scale`` are ``x``'s 1 x ``block_k``
+    quantisation when the kernel that produced ``x`` wrote it (:mod:`atom.ops.fused_quant`); the
+    experts then read it instead of quantising ``x`` again.
 
     Returns ``[tokens, hidden]`` in ``x``'s dtype (written into ``out`` when given).
     """
     _check_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, block_shape,
                out, w13_bias, w2_bias, activation)
+    _check_x_fp8(x, block_shape, x_fp8, x_fp8_scale)
     fp8 = block_shape is not None
     if fp8:
         bk = int(block_shape[1])
         w13f = dequant_block_fp8_torch(w13, w13_scale, block_shape)
         w2f = dequant_block_fp8_torch(w2, w2_scale, block_shape)
-        xin = _qdq(x, bk)
+        if x_fp8 is None:
+            xin = _qdq(x, bk)
+        else:
+            xin = x_fp8.float() * x_fp8_scale.repeat_interleave(bk, dim=1)[:, : x.shape[1]]
     else:
         w13f, w2f, xin = w13.float(), w2.float(), x.float()
     ids = topk_ids.long()
@@ -194,6 +202,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 fused_moe_torch = fused_moe.reference
 
 
+def _check_x_fp8(x: torch.Tensor, block_shape: Optional[Sequence[int]], x_fp8: Optional[torch.Tensor],
+                 x_fp8_scale: Optional[torch.Tensor]) -> None:
+    if x_fp8 is None and x_fp8_scale is None:
+        return
+    if block_shape is None or x_fp8 is None or x_fp8_scale is None:
+        raise ValueError("x_fp8 and x_fp8_scale go together, with fp8 block-scaled experts")
+    groups = -(-x.shape[1] // int(block_shape[1]))
+    if x_fp8.dtype != _FP8 or x_fp8.shape != x.shape:
+        raise ValueError(f"x_fp8 must be float8_e4m3fn {list(x.shape)}, got {x_fp8.dtype} {list(x_fp8.shape)}")
+    if x_fp8_scale.dtype != torch.float32 or tuple(x_fp8_scale.shape) != (x.shape[0], groups):
+        raise ValueError(f"x_fp8_scale must be float32 {[x.shape[0], groups]}, got {x_fp8_scale.dtype} "
+                         f"{list(x_fp8_scale.shape)}")
+
+
 def _fused_moe_triton_supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                                block_shape=None, out=None, w13_bias=None, w2_bias=None,
@@ -217,6 +239,7 @@ def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                kwargs.get("w13_scale"), kwargs.get("w2_scale"), kwargs.get("block_shape"),
                kwargs.get("out"), kwargs.get("w13_bias"), kwargs.get("w2_bias"),
                kwargs.get("activation", "silu"))
+    _check_x_fp8(x, kwargs.get("block_shape"), kwargs.get("x_fp8"), kwargs.get("x_fp8_scale"))
     from atom.ops.moe_triton import fused_moe_fwd
 
     return fused_moe_fwd(x, w13, w2, topk_weights, topk_ids, **kwargs)
@@ -238,6 +261,8 @@ def _fused_moe_aiter_supports(x: torch.Tensor, w13: torch.Tensor, *args, expert_
 def _fused_moe_aiter(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, **kwargs) -> torch.Tensor:
     from aiter.fused_moe import fused_moe as aiter_fused_moe  # deferred: ROCm only
+
+    kwargs.pop("x_fp8", None), kwargs.pop("x_fp8_scale", None)  # bf16 experts only here: not read
 
     res = aiter_fused_moe(x, w13, w2, topk_weights.float(), topk_ids.to(torch.int32))
     out = kwargs.get("out")

@@ -378,6 +378,8 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   activation: str = "silu",
                   swiglu_alpha: float = 1.702,
                   swiglu_limit: Optional[float] = 7.0,
+                  x_fp8: Optional[torch.Tensor] = None,
+                  x_fp8_scale: Optional[torch.Tensor] = None,
                   config: Optional[MoeConfig] = None) -> torch.Tensor:
     """Triton :func:`atom.ops.moe.fused_moe`; ``config`` overrides the tile choice."""
     num_tokens, hidden = x.shape
@@ -414,7 +416,11 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     )
 
     # 2. activations (fp8: per token-group quantisation)
-    if fp8:
+    if fp8 and x_fp8 is not None:  # quantised by the producer of x (atom.ops.fused_quant)
+        a1, a1_s = x_fp8, x_fp8_scale if x_fp8_scale.stride(-1) == 1 else x_fp8_scale.contiguous()
+        w13_s = w13_scale
+        ws1 = (w13_s.stride(0), w13_s.stride(1), w13_s.stride(2))
+    elif fp8:
         a1, a1_s = group_quant_fp8(x, scale_bk)
         w13_s = w13_scale
         ws1 = (w13_s.stride(0), w13_s.stride(1), w13_s.stride(2))

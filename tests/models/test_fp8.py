@@ -581,3 +581,73 @@ def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(fp8_checkpoint, kind,
     assert_close_greedy_run(ours, oracle, 0.3, prompt_atol=0.3, prompt_mean_atol=0.08, min_agreeing=0.2)
     if stock_err["prompt_mean"] <= 0.1:  # atom vs stock means something only where stock is right
         assert_close_greedy_run(ours, stock, 0.3, prompt_atol=0.3, prompt_mean_atol=0.08, min_agreeing=0.2)
+
+
+# -- producers quantise for the fp8 GEMMs (atom.ops.fused_quant) -----------------------------------
+@pytest.mark.parametrize("kind", ["qwen3_fp8_block", "deepseek_v3_fp8_block"])
+def test_norms_and_activations_quantise_for_the_fp8_gemms(fp8_checkpoint, kind, monkeypatch):
+    """With W8A8 on (``ATOM_FP8_W8A8_MIN_TOKENS``, set here as on a GPU), every norm and
+    SiLU-and-mul in front of a block-fp8 linear hands it its fp8 form, so the GEMM runs no
+    quantisation of its own; only ``o_proj`` (fed by attention) still quantises. The logits are
+    bit for bit those of the unfused model (``ATOM_FP8_FUSED_ACT_QUANT=0``)."""
+    import atom.ops
+    from atom.models._layers import Fp8Producer, RMSNorm, SiluAndMul
+    from atom.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    path = fp8_checkpoint(kind)
+    cls = DeepseekV3ForCausalLM if kind.startswith("deepseek") else _model_class(kind)
+
+    def load():
+        model = build_atom_model(cls, _hf_config(path), load_file(str(path / "model.safetensors")).items())
+        model.process_weights_after_loading()
+        return model
+
+    calls: list[tuple[int, int, bool]] = []
+    real = atom.ops.fp8_block_gemm
+
+    def spy(x, weight, *args, **kwargs):
+        calls.append((weight.shape[0], weight.shape[1], kwargs.get("x_fp8") is not None))
+        return real(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(atom.ops, "fp8_block_gemm", spy)
+    monkeypatch.setenv("ATOM_FP8_W8A8_MIN_TOKENS", "1")
+    ids = torch.tensor(mixed_prompts()[-1])
+    fused = load()
+    producers = {n: m for n, m in fused.named_modules() if isinstance(m, Fp8Producer)}
+    linked = {n for n, m in producers.items() if m.quant_group is not None}
+    layers = fused.hf_config.num_hidden_layers
+    want = {f"model.layers.{i}.{p}" for i in range(layers) for p in ("input_layernorm", "post_attention_layernorm")}
+    if kind.startswith("deepseek"):
+        want |= {f"model.layers.{i}.self_attn.q_a_layernorm" for i in range(layers)}
+        want |= {f"model.layers.{i}.mlp.shared_experts.act_fn" for i in range(layers)} & set(producers)
+        want -= {f"model.layers.{i}.post_attention_layernorm" for i in range(layers)
+                 if hasattr(fused.model.layers[i].mlp, "experts")}  # CPU experts are dequantised
+    want |= {n for n, m in producers.items() if isinstance(m, SiluAndMul)}
+    # the checkpoint's ignored layer is bf16: its producer does not quantise
+    ignored = json.loads((path / "config.json").read_text())["quantization_config"]["ignored_layers"]
+    readers = {"down_proj": "act_fn", "gate_up_proj": "post_attention_layernorm", "gate_proj": "post_attention_layernorm",
+               "up_proj": "post_attention_layernorm", "qkv_proj": "input_layernorm", "q_proj": "input_layernorm",
+               "q_b_proj": "q_a_layernorm"}
+    for name in ignored:
+        module, _, leaf = name.rpartition(".")
+        if leaf in readers:
+            parent = module.rpartition(".")[0] if leaf in ("qkv_proj", "q_proj", "gate_up_proj", "gate_proj", "up_proj") else module
+            want.discard(f"{parent}.{readers[leaf]}")
+    assert linked == want and len(linked) >= 2 * layers
+    assert all(producers[n].quant_group == 128 for n in linked)
+    assert all(producers[n].quant_column_major for n in linked)  # dense readers only on CPU
+    assert isinstance(fused.model.norm, RMSNorm) and fused.model.norm.quant_group is None  # the head is bf16
+    got = full_logits(fused, ids)
+    fed = [c for c in calls if c[2]]
+    # still quantising: o_proj (fed by attention) and, on CPU where the experts are dequantised,
+    # the shared experts next to them
+    own = {(m.weight.shape[0], m.weight.shape[1]) for n, m in fused.named_modules()
+           if n.endswith(("o_proj", "shared_experts.gate_up_proj"))}
+    assert fed and all(c[2] or c[:2] in own for c in calls), [c for c in calls if not c[2]]
+
+    calls.clear()
+    monkeypatch.setenv("ATOM_FP8_FUSED_ACT_QUANT", "0")
+    plain_model = load()
+    assert not any(m.quant_group for m in plain_model.modules() if isinstance(m, Fp8Producer))
+    assert torch.equal(full_logits(plain_model, ids), got)
+    assert calls and not any(c[2] for c in calls)

@@ -153,10 +153,11 @@ def test_host_gemm_is_used_from_its_batch_size_and_declines_fall_back():
     from atom.ops.fp8_gemm import HostGemm, set_host_gemm
 
     w, s = _weights(64, 128, (64, 64))
-    calls = []
+    calls, fed = [], []
 
-    def host(x, weight, weight_scale, block, bias):
+    def host(x, weight, weight_scale, block, bias, x_fp8, x_fp8_scale):
         calls.append(x.shape[0])
+        fed.append(x_fp8 is not None and x_fp8_scale is not None)
         return None if x.shape[0] == 9 else torch.full((x.shape[0], weight.shape[0]), 7.0, dtype=x.dtype,
                                                        device=x.device)
 
@@ -166,9 +167,11 @@ def test_host_gemm_is_used_from_its_batch_size_and_declines_fall_back():
         big = _triton(torch.randn(8, 128, device=DEVICE), w, s, (64, 64))
         x9 = torch.randn(9, 128, device=DEVICE)
         declined = _triton(x9, w, s, (64, 64))
+        q, qs = per_block_quant_fp8(x9, 64)
+        _triton(x9, w, s, (64, 64), x_fp8=q, x_fp8_scale=qs)  # a producer's quantisation is handed on
     finally:
         set_host_gemm(None)
-    assert calls == [8, 9]
+    assert calls == [8, 9, 9] and fed == [False, False, True]
     assert not (small == 7).all() and (big == 7).all()
     torch.testing.assert_close(declined, fp8_block_gemm.reference(x9, w, s, (64, 64)), atol=1e-3, rtol=1e-3)
 
@@ -193,6 +196,14 @@ def test_gpu_vllm_cutlass_host_gemm_matches_reference(m):
         direct = host.cutlass_block_gemm()(x, w, s, (128, 128), bias)
         assert torch.equal(got, direct)
         assert (got.float() - want).abs().max() <= 0.08 * want.abs().max()
+        # with the producer's quantisation (atom.ops.fused_quant), either scale layout
+        from atom.ops.fused_quant import column_major
+
+        q, qs = per_block_quant_fp8(x, 128)
+        for scales in (qs, column_major(qs)):
+            fed = _triton(x, w, s, (128, 128), bias=bias, x_fp8=q, x_fp8_scale=scales)
+            assert (fed.float() - want).abs().max() <= 0.08 * want.abs().max()
+            torch.testing.assert_close(fed.float(), got.float(), atol=0.02 * want.abs().max().item(), rtol=0.02)
     finally:
         set_host_gemm(None)
         host.install.cache_clear()

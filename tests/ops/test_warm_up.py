@@ -54,6 +54,49 @@ def test_moe_size_arguments_are_not_specialised(module, name, args):
     assert args <= set(_not_specialised(getattr(kernels, name)))
 
 
+@pytest.mark.parametrize("module,name,args", [
+    # column-major activation scales have the batch size as a stride
+    ("fp8_gemm_triton", "_fp8_gemm_kernel", {"M", "split_k", "stride_xsm", "stride_xsk"}),
+    ("fused_quant_triton", "_rms_norm_quant_kernel", {"stride_sm", "stride_sg"}),
+    ("fused_quant_triton", "_silu_and_mul_quant_kernel", {"stride_sm", "stride_sg"}),
+])
+def test_fp8_linear_size_arguments_are_not_specialised(module, name, args):
+    kernels = importlib.import_module(f"atom.ops.{module}")
+    assert args <= set(_not_specialised(getattr(kernels, name)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton's compile caches)")
+def test_gpu_no_compile_after_fp8_linear_warm_up():
+    """A block-fp8 linear after its load-time warm-up, fed by the producers that quantise for it
+    (each run once, as vLLM's profile run does): no batch size, scale layout or GEMM bucket
+    compiles anything new."""
+    from atom import ops
+    from atom.ops import fp8_gemm_triton as gt
+    from atom.ops import fused_quant_triton as ft
+
+    k, n = 4096, 6144
+    w = (torch.randn(n, k, device="cuda") * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ws = torch.rand(n // 128, k // 128, device="cuda") * 1e-3
+    nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    ops.warm_up_fp8_block_gemm(w, ws, (128, 128), act_dtype=torch.bfloat16, w8a8_from=17)
+    x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ops.rms_norm_quant_fp8(x1, nw, 1e-6, None, 128, True)
+    ops.rms_norm_quant_fp8(x1, nw, 1e-6, x1, 128, True)
+    ops.silu_and_mul_quant_fp8(torch.cat([x1, x1], 1), 128, True)
+    kernels = (gt._fp8_gemm_kernel, gt._split_k_sum_kernel, ft._rms_norm_quant_kernel, ft._silu_and_mul_quant_kernel)
+    before = [_compiled(kern) for kern in kernels]
+    for m in (1, 5, 16, 17, 33, 64, 65, 100, 128, 256, 257, 1000, 4096):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for column in (False, True):
+            y, r, q, s = ops.rms_norm_quant_fp8(x, nw, 1e-6, x, 128, column)
+            ops.fp8_block_gemm(y, w, ws, (128, 128), w8a8_from=17, x_fp8=q, x_fp8_scale=s)
+            y, q, s = ops.silu_and_mul_quant_fp8(torch.cat([x, x], 1), 128, column)
+            ops.fp8_block_gemm(y, w, ws, (128, 128), w8a8_from=17, x_fp8=q, x_fp8_scale=s)
+    torch.cuda.synchronize()
+    assert [_compiled(kern) for kern in kernels] == before
+
+
 def _not_specialised(kernel) -> list[str]:
     """``do_not_specialize`` of a JIT function (GPU) or of the interpreter's wrapper (CPU)."""
     dns = kernel.kwargs.get("do_not_specialize") if hasattr(kernel, "kwargs") else kernel.do_not_specialize

@@ -7,7 +7,8 @@ block-fp8 kernel runs (``cutlass_block_fp8_supported``), atom's block-fp8 linear
 ``ATOM_FP8_HOST_GEMM_MIN_TOKENS`` tokens up: vLLM's per-token-group activation quantisation (1 x
 128, column-major scales) and ``cutlass_scaled_mm``, exactly as vLLM's own
 ``CutlassFp8BlockScaledMMKernel`` calls them, on atom's weight and ``weight_scale_inv`` as loaded
-(no copy). Shapes it does not take (blocks other than 128 x 128, dims off 128, fp32) stay on
+(no copy); where atom's producer kernel already wrote the activation's quantisation
+(:mod:`atom.ops.fused_quant`, column-major scales) it is passed straight in. Shapes it does not take (blocks other than 128 x 128, dims off 128, fp32) stay on
 atom's kernel. Installed once per process, when vLLM's loader reaches the first atom fp8 layer.
 """
 
@@ -19,6 +20,7 @@ from typing import Any, Optional
 from atom import envs
 from atom._logging import get_logger, info_once, warn_once
 from atom.ops.fp8_gemm import HostGemm, set_host_gemm
+from atom.ops.fused_quant import column_major
 
 logger = get_logger("atom.plugin")
 
@@ -45,12 +47,16 @@ def cutlass_block_gemm() -> Optional[Any]:
         return None
 
     def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: Any,
-             bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+             bias: Optional[torch.Tensor], x_fp8: Optional[torch.Tensor] = None,
+             x_fp8_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         n, k = weight.shape
         if (tuple(int(b) for b in block) != (128, 128) or n % 128 or k % 128
                 or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous()):
             return None
-        xq, xs = per_token_group_quant_fp8(x, 128, column_major_scales=True)
+        if x_fp8 is not None:  # quantised by the kernel that produced x (atom.ops.fused_quant)
+            xq, xs = x_fp8, column_major(x_fp8_scale)
+        else:
+            xq, xs = per_token_group_quant_fp8(x, 128, column_major_scales=True)
         y = vops.cutlass_scaled_mm(xq, weight.t(), out_dtype=x.dtype, scale_a=xs, scale_b=weight_scale.t())
         return y if bias is None else y + bias
 
