@@ -176,6 +176,26 @@ MUTANTS = (
     Mutant("fp8-block-step-aside-off", "atom/plugin/vllm/overrides.py",
            "            and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):", "            and False):",
            ("tests/plugin/test_runners.py::test_block_fp8_on_nvidia_steps_aside_unless_enabled",)),
+    # producers that quantise for the fp8 GEMMs (issue #16)
+    Mutant("fused-quant-norm-amax-of-unrounded", "atom/ops/fused_quant_triton.py",
+           "    _store_quantised(y.to(tl.float32), q_ptr + row * stride_q, s_ptr + row * stride_sm, cols, mask, g, "
+           "num_groups,\n                     stride_sg, amax_eps, EXACT_FP8)\n\n\ndef rms_norm_quant_launch",
+           "    _store_quantised(x * rstd * w, q_ptr + row * stride_q, s_ptr + row * stride_sm, cols, mask, g, "
+           "num_groups,\n                     stride_sg, amax_eps, EXACT_FP8)\n\n\ndef rms_norm_quant_launch",
+           ("tests/ops/test_fused_quant.py",)),
+    Mutant("fused-quant-scale-group-stride", "atom/ops/fused_quant_triton.py",
+           "tl.store(s_row + g * stride_sg, scale, mask=g < num_groups)",
+           "tl.store(s_row + g, scale, mask=g < num_groups)", ("tests/ops/test_fused_quant.py",)),
+    Mutant("fused-quant-linear-scale", "atom/models/_linear.py",
+           "dict(x_fp8=act.q, x_fp8_scale=act.scale)", "dict(x_fp8=act.q, x_fp8_scale=act.scale * 1.01)",
+           ("tests/models/test_fp8.py::test_norms_and_activations_quantise_for_the_fp8_gemms",)),
+    Mutant("fused-quant-residual-handed-on", "atom/models/_layers.py",
+           "return QuantizedActivation(out[0], out[2], out[3]), out[1]",
+           "return QuantizedActivation(out[0], out[2], out[3]), out[0]",
+           ("tests/models/test_fp8.py::test_norms_and_activations_quantise_for_the_fp8_gemms",)),
+    Mutant("fused-quant-experts-ignore-it", "atom/ops/moe_triton.py",
+           "    if fp8 and x_fp8 is not None:", "    if False:",
+           ("tests/ops/test_fused_quant.py::test_fp8_experts_read_the_producers_quantisation",)),
 )
 
 
