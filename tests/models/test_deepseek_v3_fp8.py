@@ -482,7 +482,18 @@ def test_gpu_fp8_paths_match_dequantized_reference(checkpoint, monkeypatch):
     reference = full_logits(_load(checkpoint), ids)
     with torch.device("cuda"):
         logits = full_logits(_load(checkpoint), ids.cuda()).cpu()
-    assert_within_fp8_activation_noise("deepseek_v3", logits, reference)
+    # The fused activation quantisation (norms / SiLU-and-mul writing the fp8 form) against the
+    # separate quantisation kernels: the same W8A8 computation up to the producers' bf16
+    # rounding, so much closer to each other than either is to the weight-only reference.
+    monkeypatch.setenv("ATOM_FP8_FUSED_ACT_QUANT", "0")
+    with torch.device("cuda"):
+        unfused = full_logits(_load(checkpoint), ids.cuda()).cpu()
+    monkeypatch.delenv("ATOM_FP8_FUSED_ACT_QUANT")
+    apart, noise = (logits - unfused).abs().mean(), (unfused - reference).abs().mean()
+    print(f"[fp8 fused vs unfused] deepseek_v3: mean {apart:.4f} (unfused vs reference {noise:.4f}, argmax agree "
+          f"{(unfused.argmax(-1) == reference.argmax(-1)).float().mean():.2f})")
+    assert apart < 0.5 * noise
+    assert_within_fp8_activation_noise("deepseek_v3", logits, reference, min_argmax_agreement=0.6)
     monkeypatch.setenv("ATOM_FP8_W8A8_MIN_TOKENS", "0")
     with torch.device("cuda"):
         model = _load(checkpoint)

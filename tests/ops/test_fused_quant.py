@@ -148,6 +148,18 @@ def test_fp8_experts_read_the_producers_quantisation():
         fused_moe(x, w13, w2, wts, ids, x_fp8=q, **kw)
 
 
+def _assert_gpu_quantisation_of(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int) -> None:
+    """On a GPU, against the separate Triton quantisation kernel of ``y``: the same scales, and
+    the same fp8 values up to one e4m3 step in a few elements (the compiled fp32 division may
+    round a quotient on a rounding boundary the other way)."""
+    want_q, want_s = per_block_quant_fp8.run("triton", y, group)
+    torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
+    a, b = q.float(), want_q.float()
+    differ = a != b
+    assert differ.float().mean() <= 1e-3, differ.float().mean()
+    assert ((a - b).abs()[differ] <= b.abs()[differ] / 8 + 2 ** -9).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [4096, 5120, 7168, 1536])
 def test_gpu_real_widths(k):
@@ -158,8 +170,9 @@ def test_gpu_real_widths(k):
     y2, res2 = rms_norm(x, w, 1e-6, r)
     assert torch.equal(res, res2)
     torch.testing.assert_close(y.float(), y2.float(), atol=2e-2, rtol=2e-2)
-    _assert_quantisation_of(y, q, s, 128, True)
+    assert s.stride() == (1, 37)
+    _assert_gpu_quantisation_of(y, q, s, 128)
     g = torch.randn(37, 2 * 3 * k, device="cuda").to(BF16)
     y, q, s = silu_and_mul_quant_fp8(g, 128, False)
     torch.testing.assert_close(y.float(), silu_and_mul(g).float(), atol=2e-2, rtol=2e-2)
-    _assert_quantisation_of(y, q, s, 128, False)
+    _assert_gpu_quantisation_of(y, q, s, 128)
