@@ -245,11 +245,12 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_nonneg_int, "an integer >= 0",
         ),
         EnvVar(
-            "ATOM_FP8_FUSED_ACT_QUANT", "bool", "1",
-            "Block-scaled fp8 models with W8A8 enabled (GPUs, or ATOM_FP8_W8A8_MIN_TOKENS set): the "
-            "RMSNorm (with its residual add) and SiLU-and-mul kernels in front of an fp8 linear or "
-            "fp8 experts also write their output's per-token-group fp8 quantisation, so no separate "
-            "quantisation kernel runs before the GEMM; 0 = quantise inside each GEMM call instead.",
+            "ATOM_DISABLE_FP8_FUSED_ACT_QUANT", "bool", "0",
+            "Block-scaled fp8 models with W8A8 enabled (GPUs, or ATOM_FP8_W8A8_MIN_TOKENS set): by "
+            "default the RMSNorm (with its residual add) and SiLU-and-mul kernels in front of an fp8 "
+            "linear or fp8 experts also write their output's per-token-group fp8 quantisation, so no "
+            "separate quantisation kernel runs before the GEMM; 1 = quantise inside each GEMM call "
+            "instead.",
             _parse_bool, _BOOL,
         ),
         EnvVar(

@@ -49,12 +49,12 @@ def fp8_input_readers(block: nn.Module) -> Optional[list[Any]]:
 
 def link_fp8_producers(root: nn.Module) -> int:
     """Let every producer that feeds only block-fp8 readers write the fp8 form as well
-    (``ATOM_FP8_FUSED_ACT_QUANT``; the pairs come from each module's ``fp8_producer_links()``).
+    (unless ``ATOM_DISABLE_FP8_FUSED_ACT_QUANT``; the pairs come from each module's ``fp8_producer_links()``).
     Called when a model is built: the readers' specs depend on the quantisation config, the
     weights' device and ``ATOM_FP8_W8A8_MIN_TOKENS``. Returns the producers linked."""
     from atom import envs
 
-    enabled = envs.ATOM_FP8_FUSED_ACT_QUANT
+    enabled = not envs.ATOM_DISABLE_FP8_FUSED_ACT_QUANT
     linked = 0
     for module in root.modules():
         links = getattr(module, "fp8_producer_links", None)

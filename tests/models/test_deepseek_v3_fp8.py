@@ -485,10 +485,10 @@ def test_gpu_fp8_paths_match_dequantized_reference(checkpoint, monkeypatch):
     # The fused activation quantisation (norms / SiLU-and-mul writing the fp8 form) against the
     # separate quantisation kernels: the same W8A8 computation up to the producers' bf16
     # rounding, so much closer to each other than either is to the weight-only reference.
-    monkeypatch.setenv("ATOM_FP8_FUSED_ACT_QUANT", "0")
+    monkeypatch.setenv("ATOM_DISABLE_FP8_FUSED_ACT_QUANT", "1")
     with torch.device("cuda"):
         unfused = full_logits(_load(checkpoint), ids.cuda()).cpu()
-    monkeypatch.delenv("ATOM_FP8_FUSED_ACT_QUANT")
+    monkeypatch.delenv("ATOM_DISABLE_FP8_FUSED_ACT_QUANT")
     apart, noise = (logits - unfused).abs().mean(), (unfused - reference).abs().mean()
     print(f"[fp8 fused vs unfused] deepseek_v3: mean {apart:.4f} (unfused vs reference {noise:.4f}, argmax agree "
           f"{(unfused.argmax(-1) == reference.argmax(-1)).float().mean():.2f})")

@@ -589,7 +589,7 @@ def test_norms_and_activations_quantise_for_the_fp8_gemms(fp8_checkpoint, kind, 
     """With W8A8 on (``ATOM_FP8_W8A8_MIN_TOKENS``, set here as on a GPU), every norm and
     SiLU-and-mul in front of a block-fp8 linear hands it its fp8 form, so the GEMM runs no
     quantisation of its own; only ``o_proj`` (fed by attention) still quantises. The logits are
-    bit for bit those of the unfused model (``ATOM_FP8_FUSED_ACT_QUANT=0``)."""
+    bit for bit those of the unfused model (``ATOM_DISABLE_FP8_FUSED_ACT_QUANT=1``)."""
     import atom.ops
     from atom.models._layers import Fp8Producer, RMSNorm, SiluAndMul
     from atom.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -646,7 +646,7 @@ def test_norms_and_activations_quantise_for_the_fp8_gemms(fp8_checkpoint, kind, 
     assert fed and all(c[2] or c[:2] in own for c in calls), [c for c in calls if not c[2]]
 
     calls.clear()
-    monkeypatch.setenv("ATOM_FP8_FUSED_ACT_QUANT", "0")
+    monkeypatch.setenv("ATOM_DISABLE_FP8_FUSED_ACT_QUANT", "1")
     plain_model = load()
     assert not any(m.quant_group for m in plain_model.modules() if isinstance(m, Fp8Producer))
     assert torch.equal(full_logits(plain_model, ids), got)
@@ -683,7 +683,7 @@ def test_fp8_kv_cache_with_fp8_weights_and_fused_quantisation(fp8_checkpoint, tm
 
     a8 = run("a8", w8a8)
     a8_fp8 = run("a8-fp8", w8a8, fp8_cache)
-    assert run("a8-fp8-unfused", {**w8a8, "ATOM_FP8_FUSED_ACT_QUANT": "0"}, fp8_cache)["rows"] == a8_fp8["rows"]
+    assert run("a8-fp8-unfused", {**w8a8, "ATOM_DISABLE_FP8_FUSED_ACT_QUANT": "1"}, fp8_cache)["rows"] == a8_fp8["rows"]
     a16 = run("a16", {})
     a16_fp8 = run("a16-fp8", {}, fp8_cache)
     cache8, _ = _first_token_error(a8_fp8, a8)
