@@ -262,7 +262,8 @@ def _fused_moe_aiter(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, **kwargs) -> torch.Tensor:
     from aiter.fused_moe import fused_moe as aiter_fused_moe  # deferred: ROCm only
 
-    kwargs.pop("x_fp8", None), kwargs.pop("x_fp8_scale", None)  # bf16 experts only here: not read
+    for name in ("x_fp8", "x_fp8_scale"):  # bf16 experts only here: nothing reads them
+        kwargs.pop(name, None)
 
     res = aiter_fused_moe(x, w13, w2, topk_weights.float(), topk_ids.to(torch.int32))
     out = kwargs.get("out")

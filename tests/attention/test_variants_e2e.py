@@ -20,6 +20,7 @@ import pytest
 from tests.attention import _runner as runner
 from tests.attention.test_e2e import _prompts
 from tests.conftest import run_python
+from tests.models._harness import first_token_error
 
 FUSION = {"ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION": "1"}
 STOCK = {"ATOM_DISABLE_VLLM_PLUGIN": "1"}
@@ -102,17 +103,6 @@ def test_vllm_loader_calls_injected_process_weights_after_loading(engine_run):
         assert variant["facts"]["post_load_dtypes"] == ["torch.float32"]
 
 
-def _fp8_error(fp8: dict, exact: dict) -> tuple[float, float]:
-    """(max |first-token logprob difference| -- same context on both sides, so one forward pass
-    over an fp8 cache vs an fp32 one --, fraction of greedy tokens before the first divergence)."""
-    first, before, total = 0.0, 0, 0
-    for a, b in zip(fp8["rows"], exact["rows"]):
-        first = max(first, abs(a["logprobs"][0] - b["logprobs"][0]))
-        total += len(b["tokens"])
-        before += next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(b["tokens"]))
-    return first, before / total
-
-
 def test_fp8_kv_cache(engine_run):
     """The exact fp8 math is tested against a reference in test_impl.py; here a real engine runs
     atom's backend with kv_cache_dtype="fp8" and its error against the fp32-cache run is of the
@@ -123,7 +113,7 @@ def test_fp8_kv_cache(engine_run):
     ours = engine_run("qwen3", {}, fp8, vllm_qwen3=True)
     assert ours["impls"] == ["ATOMAttentionImpl"]
     exact = engine_run("qwen3", STOCK)  # vLLM's Qwen3 and attention, fp32 cache
-    ours_first, ours_agree = _fp8_error(ours, exact)
+    ours_first, ours_agree = first_token_error(ours, exact)
     assert 1e-4 < ours_first < 0.1, ours_first  # quantised (not the fp32 result), and close
     assert ours_agree >= 0.7, ours_agree
     theirs = engine_run("qwen3", VLLM_ATTN, fp8, vllm_qwen3=True)
@@ -132,5 +122,5 @@ def test_fp8_kv_cache(engine_run):
         # against the fp32 cache is checked (the bounds above, from the measurement above).
         return
     assert theirs["impls"] == ["CPUAttentionBackendImpl"]
-    theirs_first, _ = _fp8_error(theirs, exact)
+    theirs_first, _ = first_token_error(theirs, exact)
     assert ours_first <= 2 * theirs_first, (ours_first, theirs_first)

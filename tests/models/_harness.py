@@ -294,3 +294,15 @@ def run_tp2_engine(checkpoint: Path, prompts: list[list[int]], tmp_path: Path, e
         assert f"built {model} ({wrapper}) for {arch}, tp rank {rank} of 2" in proc.stderr + proc.stdout
     (ours,) = json.loads((tmp_path / "out.json").read_text())
     return ours
+
+
+def first_token_error(a: dict, b: dict) -> tuple[float, float]:
+    """Run ``a`` against run ``b`` (the same prompts): (max |first-token logprob difference| --
+    the same context on both sides, so one forward pass --, fraction of greedy tokens before the
+    first divergence)."""
+    first, before, total = 0.0, 0, 0
+    for x, y in zip(a["rows"], b["rows"]):
+        first = max(first, abs(x["logprobs"][0] - y["logprobs"][0]))
+        total += len(y["tokens"])
+        before += next((i for i, (s, t) in enumerate(zip(x["tokens"], y["tokens"])) if s != t), len(y["tokens"]))
+    return first, before / total

@@ -35,6 +35,7 @@ from tests.models._harness import (
     ThreadGroup,
     assert_close_greedy_run,
     assert_within_fp8_activation_noise,
+    first_token_error,
     build_atom_model,
     full_logits,
     greedy_run_stats,
@@ -653,16 +654,6 @@ def test_norms_and_activations_quantise_for_the_fp8_gemms(fp8_checkpoint, kind, 
     assert calls and not any(c[2] for c in calls)
 
 
-def _first_token_error(a: dict, b: dict) -> tuple[float, float]:
-    """(max first-token |d logprob| -- the same context on both sides --, fraction of greedy
-    tokens before the first divergence) of run ``a`` against run ``b``."""
-    first = max(abs(x["logprobs"][0] - y["logprobs"][0]) for x, y in zip(a["rows"], b["rows"]))
-    total = sum(len(y["tokens"]) for y in b["rows"])
-    before = sum(next((i for i, (s, t) in enumerate(zip(x["tokens"], y["tokens"])) if s != t), len(y["tokens"]))
-                 for x, y in zip(a["rows"], b["rows"]))
-    return first, before / total
-
-
 def test_fp8_kv_cache_with_fp8_weights_and_fused_quantisation(fp8_checkpoint, tmp_path):
     """fp8 weights (block GEMM, W8A8 with the producers' fused quantisation, as on a GPU) with
     an fp8 KV cache: the engine serves; the fused quantisation changes nothing (bit-identical to
@@ -686,9 +677,9 @@ def test_fp8_kv_cache_with_fp8_weights_and_fused_quantisation(fp8_checkpoint, tm
     assert run("a8-fp8-unfused", {**w8a8, "ATOM_DISABLE_FP8_FUSED_ACT_QUANT": "1"}, fp8_cache)["rows"] == a8_fp8["rows"]
     a16 = run("a16", {})
     a16_fp8 = run("a16-fp8", {}, fp8_cache)
-    cache8, _ = _first_token_error(a8_fp8, a8)
-    cache16, _ = _first_token_error(a16_fp8, a16)
-    act, _ = _first_token_error(a8, a16)
+    cache8, _ = first_token_error(a8_fp8, a8)
+    cache16, _ = first_token_error(a16_fp8, a16)
+    act, _ = first_token_error(a8, a16)
     print(f"fp8 cache on W8A8 {cache8:.4f}, on W8A16 {cache16:.4f}; W8A8 vs W8A16 {act:.4f}")
     assert cache8 > 1e-4 and cache16 > 1e-4  # the cache is quantised
     assert cache16 < 0.15, cache16
