@@ -121,6 +121,16 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
+#: vLLM's model runner: "Model loading took 8.1 GiB memory and 5.2 seconds" (0.26; newer: "... GiB and").
+_LOADED = re.compile(r"Model loading took ([0-9.]+) GiB")
+
+
+def weight_gib(log: str) -> Optional[float]:
+    """The weight memory vLLM reported after loading (GiB), or None when its log has no such line."""
+    found = _LOADED.findall(log)
+    return float(found[-1]) if found else None
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -129,7 +139,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", dest="out_len", type=int, default=128)
     p.add_argument("--conc", default="32", help="concurrency, or a comma list: one cell each, the same "
                    "engines, interleaved within every round; --json then gets a _c<C> suffix per cell")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="0: start every side, report start-up time and weight memory, stop (fills the caches)")
     p.add_argument("--window", type=float, default=20.0)
     p.add_argument("--gpu-util", type=float, default=0.28)
     p.add_argument("--max-model-len", type=int, default=0)
@@ -153,18 +164,30 @@ def main(argv: list[str]) -> int:
     # memory for the cache blocks").
     for name, env in sides:
         logs[name] = logdir / f"{name}.log"
+        t_side = time.time()
         procs[name] = proc = subprocess.Popen([sys.executable, str(HERE / "ab_worker.py"), json.dumps(spec)],
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                               stderr=logs[name].open("w"), env={**os.environ, **env})
         for line in proc.stdout:
             if line.startswith("READY "):
                 facts[name] = json.loads(line[6:])
+                facts[name]["ready_s"] = round(time.time() - t_side, 1)
+                facts[name]["weight_gib"] = weight_gib(logs[name].read_text())
                 break
         else:
             for other in procs.values():  # no engine left holding the GPU
                 other.kill()
             raise SystemExit(f"side {name} died while starting: {logs[name].read_text()[-3000:]}")
     print(f"[ab] {len(sides)} sides ready after {time.time() - t_start:.0f} s: {facts}", flush=True)
+    if args.rounds == 0:  # start-up only: fills the JIT / compile caches for a later run
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.terminate()
+        if args.json:
+            Path(args.json).with_suffix(".startup.json").write_text(json.dumps(
+                {"label": args.label, "model": args.model, "gpu": gpu_name(), "sides": facts,
+                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=2))
+        return 0
     clocks = Clocks()
     clocks.start()
     results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name, _ in sides} for c in concs}

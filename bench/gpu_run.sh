@@ -48,7 +48,9 @@
 #            atom (the wheel in .stage/tools, installed into /tmp/atom-new) and, when
 #            .stage/tools/old holds a wheel, old (installed into /tmp/atom-old): a before/after
 #            check of one atom change. Each side has its own compile cache. AB_FP8=1: the checkpoint
-#            converted to 128x128 block fp8 first (bench/e2e_models.py quantize_block_fp8). AB_CONC may be
+#            converted to 128x128 block fp8 first (bench/e2e_models.py quantize_block_fp8; the bf16 source is
+#            then deleted, other models' checkpoints before). AB_ROUNDS=0: start the sides and stop (fills the
+#            JIT caches when a cold start and the measurement do not fit one command). AB_CONC may be
 #            a comma list (cells interleaved in the same engines). -> $OUT/ab_<model>[_c<C>].json, .txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
@@ -64,6 +66,9 @@ set -uo pipefail
 # after /tmp/site and the machine's own packages in the search order, so they only fill gaps.
 export PYTHONPATH=/tmp/site:/tmp/site-serve HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
        VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# JIT caches under /tmp, which outlives one command while the machine stays warm (DeepGEMM's is
+# under each side's VLLM_CACHE_ROOT): `AB_ROUNDS=0 ... ab` fills them, the next call measures
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton-cache}"
 # multi-GPU hosts: NVLink multicast stays off (the lent machines' rule), also in vLLM's own all-reduce
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -138,12 +143,15 @@ for step in "$@"; do
                 ls $src/atom_vllm-*.whl >/dev/null 2>&1 && [ ! -d /tmp/atom-$w ] && \
                     python3 -m pip install -q --no-index --no-deps --target /tmp/atom-$w $src/atom_vllm-*.whl 2>&1 | tail -1
             done
+            # disk (64 GiB): only this model's checkpoints stay; an fp8 copy's bf16 source goes once converted
+            for c in /tmp/atom-e2e-models/*; do case "$c" in "$d"|"$d-fp8") ;; *) rm -rf "$c" ;; esac; done
+            [ "${AB_FP8:-0}" = 1 ] && [ -f "$d-fp8/config.json" ] || \
             python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from e2e_models import build_model; \
                 print(build_model('$m', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02))" 2>&1 | tail -1
             if [ "${AB_FP8:-0}" = 1 ]; then
                 python3 -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path; from e2e_models import quantize_block_fp8; \
                     print(quantize_block_fp8(Path('$d'), Path('$d-fp8')))" 2>&1 | tail -1
-                d="$d-fp8"; m="$m-fp8"; fp8_atom=",ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1"
+                rm -rf "$d"; d="$d-fp8"; m="$m-fp8"; fp8_atom=",ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1"
             fi
             sides=(--side "stock:ATOM_DISABLE_VLLM_PLUGIN=1,PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-stock"
                    --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom${fp8_atom:-}")
@@ -152,6 +160,9 @@ for step in "$@"; do
                 --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" \
                 --window "${AB_WINDOW:-15}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
                 --json "$OUT/ab_$m.json" > "$OUT/ab_$m.txt" 2>&1
+            for f in /tmp/ab-logs-$m/*.log; do  # each side's errors, kernel choices and start-up stages (flat copies)
+                grep -E "ERROR|Error|Traceback|atom\]|Selected|[Uu]sing|warmup|Model loading|took|Compil|CUDA graph" "$f" \
+                    | tail -150 > "$OUT/ab_$m.$(basename "$f" .log).log.txt"; done
             tail -12 "$OUT/ab_$m.txt" ;;
         profile) mkdir -p "$OUT/profile"
               timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \

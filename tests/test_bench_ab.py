@@ -27,6 +27,14 @@ def test_agreement_counts_tokens_before_the_first_divergence():
     assert ab.agreement([[1, 2], [3]], [[1, 2], [3]]) == 1.0
 
 
+def test_weight_memory_is_read_from_vllms_load_line():
+    log = ("INFO 11-24 [gpu_model_runner.py:5348] Model loading took 4.12 GiB memory and 3.5 seconds\n"
+           "(EngineCore pid=9) INFO [gpu_model_runner.py:5348] Model loading took 17.93 GiB memory and 9.0 seconds\n")
+    assert ab.weight_gib(log) == 17.93  # the last engine's line
+    assert ab.weight_gib("INFO Model loading took 8.5 GiB and 2.0 seconds") == 8.5  # newer vLLM wording
+    assert ab.weight_gib("no such line") is None
+
+
 def test_sides_parse():
     assert ab.parse_side("stock:ATOM_DISABLE_VLLM_PLUGIN=1") == ("stock", {"ATOM_DISABLE_VLLM_PLUGIN": "1"})
     assert ab.parse_side("atom:") == ("atom", {})
@@ -55,3 +63,24 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     assert "atom attention backend ATOMAttentionBackend selected" in atom["kernel_log_lines"]
     assert stock["facts"]["versions"]["vllm"] == atom["facts"]["versions"]["vllm"] and "gpu" in record
     assert atom["facts"]["versions"]["atom_from"]
+    assert stock["facts"]["ready_s"] > 0 and atom["facts"]["ready_s"] > 0 and "weight_gib" in atom["facts"]
+
+
+def test_zero_rounds_only_start_the_sides(tiny_model, tmp_path):
+    """--rounds 0 (the cache-filling call before a measured one): every side starts, says how long
+    it took, and the run stops without measuring or writing a cell record."""
+    model = tiny_model("qwen3", "float32")
+    out = tmp_path / "cell.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "ab.py"), "--model", str(model), "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1",
+         "--in", "16", "--out", "8", "--conc", "4", "--rounds", "0", "--gpu-util", "0.2", "--vocab", "1000",
+         "--logdir", str(tmp_path / "logs"), "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}),
+         "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    assert not out.exists() and "round 1" not in proc.stdout
+    startup = json.loads(out.with_suffix(".startup.json").read_text())
+    assert startup["sides"]["stock"]["ready_s"] > 0
+    assert startup["sides"]["stock"]["model_class"].endswith("qwen3.Qwen3ForCausalLM")
