@@ -167,12 +167,16 @@ def main(argv: list[str]) -> int:
         t_side = time.time()
         procs[name] = proc = subprocess.Popen([sys.executable, str(HERE / "ab_worker.py"), json.dumps(spec)],
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                              stderr=logs[name].open("w"), env={**os.environ, **env})
+                                              stderr=logs[name].open("w"),
+                                              # vLLM's log (kernel choices, weight memory) into the side's log file
+                                              env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **env})
+        loaded = []  # where vLLM logs to stdout after all, its "Model loading took" line comes before READY
         for line in proc.stdout:
+            loaded += [line] if _LOADED.search(line) else []
             if line.startswith("READY "):
                 facts[name] = json.loads(line[6:])
                 facts[name]["ready_s"] = round(time.time() - t_side, 1)
-                facts[name]["weight_gib"] = weight_gib(logs[name].read_text())
+                facts[name]["weight_gib"] = weight_gib("".join(loaded) + logs[name].read_text())
                 break
         else:
             for other in procs.values():  # no engine left holding the GPU

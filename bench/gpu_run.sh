@@ -50,7 +50,9 @@
 #            check of one atom change. Each side has its own compile cache. AB_FP8=1: the checkpoint
 #            converted to 128x128 block fp8 first (bench/e2e_models.py quantize_block_fp8; the bf16 source is
 #            then deleted, other models' checkpoints before). AB_ROUNDS=0: start the sides and stop (fills the
-#            JIT caches when a cold start and the measurement do not fit one command). AB_CONC may be
+#            JIT caches when a cold start and the measurement do not fit one command). AB_ENGINE: JSON engine
+#            arguments for every side (e.g. {"max_num_batched_tokens": 8192}: no change to a 128/128 cell's
+#            steps up to C=64, half of stock's DeepGEMM warm-up shapes). AB_CONC may be
 #            a comma list (cells interleaved in the same engines). -> $OUT/ab_<model>[_c<C>].json, .txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
@@ -143,8 +145,11 @@ for step in "$@"; do
                 ls $src/atom_vllm-*.whl >/dev/null 2>&1 && [ ! -d /tmp/atom-$w ] && \
                     python3 -m pip install -q --no-index --no-deps --target /tmp/atom-$w $src/atom_vllm-*.whl 2>&1 | tail -1
             done
-            # disk (64 GiB): only this model's checkpoints stay; an fp8 copy's bf16 source goes once converted
-            for c in /tmp/atom-e2e-models/*; do case "$c" in "$d"|"$d-fp8") ;; *) rm -rf "$c" ;; esac; done
+            # disk (64 GiB): other models' checkpoints go when under 40 GiB are free; an fp8 copy's bf16
+            # source goes once converted
+            if [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt 40 ]; then
+                for c in /tmp/atom-e2e-models/*; do case "$c" in "$d"|"$d-fp8") ;; *) rm -rf "$c" ;; esac; done
+            fi
             [ "${AB_FP8:-0}" = 1 ] && [ -f "$d-fp8/config.json" ] || \
             python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from e2e_models import build_model; \
                 print(build_model('$m', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02))" 2>&1 | tail -1
@@ -159,6 +164,7 @@ for step in "$@"; do
             timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m-L$l" "${sides[@]}" \
                 --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" \
                 --window "${AB_WINDOW:-15}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
+                --engine "${AB_ENGINE:-{\}}" \
                 --json "$OUT/ab_$m.json" > "$OUT/ab_$m.txt" 2>&1
             for f in /tmp/ab-logs-$m/*.log; do  # each side's errors, kernel choices and start-up stages (flat copies)
                 grep -E "ERROR|Error|Traceback|atom\]|Selected|[Uu]sing|warmup|Model loading|took|Compil|CUDA graph" "$f" \

@@ -61,6 +61,9 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     assert atom["agreement"] == 1.0  # fp32 greedy on identical prompts
     assert atom["ratio_ci_low"] <= atom["ratio"] <= atom["ratio_ci_high"]
     assert "atom attention backend ATOMAttentionBackend selected" in atom["kernel_log_lines"]
+    # vLLM's own log (where its kernel selections and weight memory are said) is in each side's
+    # log file, which the kernel lines are read from, not lost on the pipe the sides answer on
+    assert "Initializing a V1 LLM engine" in (tmp_path / "logs" / "stock.log").read_text()
     assert stock["facts"]["versions"]["vllm"] == atom["facts"]["versions"]["vllm"] and "gpu" in record
     assert atom["facts"]["versions"]["atom_from"]
     assert stock["facts"]["ready_s"] > 0 and atom["facts"]["ready_s"] > 0 and "weight_gib" in atom["facts"]

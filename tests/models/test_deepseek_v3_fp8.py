@@ -505,25 +505,25 @@ def test_gpu_fp8_paths_match_dequantized_reference(checkpoint, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(checkpoint, tmp_path):
-    """CUDA, real engines on the fp8 release format: atom's DeepSeek-V3 (fp8 MLA projections,
-    fp8 routed and shared experts, grouped routing, its MLA backend) vs stock vLLM's own fp8
-    DeepSeek-V3, bf16 activations, greedy, both eager; atom also with CUDA graphs (its default
-    serving mode). The arbiter is the exact-weights reference (the fp32 model alone on the CPU,
-    HF's logits to 1e-4): atom's teacher-forced distance to it may not exceed stock's by more
-    than fp8 activation noise, and atom with graphs equals atom eager up to bf16 noise."""
+def test_gpu_vllm_engine_serves_fp8_checkpoint_close_to_the_exact_weights(checkpoint, tmp_path):
+    """CUDA, a real engine on the fp8 release format: atom's DeepSeek-V3 (fp8 MLA projections,
+    W8A16 / W8A8 / CUTLASS by tokens per step, fp8 routed and shared experts, grouped routing, its
+    MLA backend), eager and with CUDA graphs (its serving default), against the exact-weights
+    reference (the fp32 model alone on the CPU, HF's logits to 1e-4), teacher-forced.
+
+    Stock vLLM 0.26 cannot be the other side at these tiny dims: its GPU MLA prefill has no
+    backend for qk_nope / v head dims of 32 ("No valid MLA prefill backend found"), so stock's fp8
+    DeepSeek-V3 runs against atom's at real dims in bench/gpu_run.sh ab (AB_MODEL=mla AB_FP8=1).
+    Bounds: the bf16 engines on the CPU are 0.91 max / 0.020 mean from this reference (router
+    near-ties, module docstring); the fp8 activation quantisation of the prefill (W8A8 from 17
+    tokens, the experts always) adds fp8 noise, the model-alone GPU test's size (~0.1 in logits)."""
     prompts = mixed_prompts()
     reference = _reference_prompt_logprobs(checkpoint, prompts)
-    env = {"VLLM_USE_DEEP_GEMM": "0"}  # the tiny dims are off DeepGEMM's tiles; CUTLASS is the same arithmetic
-    stock = _engine_process_run(checkpoint, prompts, tmp_path / "stock", env_extra=env)
-    ours = _engine_process_run(checkpoint, prompts, tmp_path / "atom", atom=True, env_extra=env)
-    graphs = _engine_process_run(checkpoint, prompts, tmp_path / "graphs", atom=True, env_extra=env,
-                                 engine={"enforce_eager": False})
-    (atom_max, atom_mean), (stock_max, stock_mean) = _distance(ours, reference), _distance(stock, reference)
-    print(f"deepseek_v3 fp8 GPU engines: atom vs stock {greedy_run_stats(ours, stock)}; vs the fp32 reference: "
-          f"atom {atom_max:.4f} / {atom_mean:.4f}, stock {stock_max:.4f} / {stock_mean:.4f}; atom graphs vs eager "
-          f"{greedy_run_stats(graphs, ours)}")
-    assert atom_mean <= 1.5 * stock_mean + 0.02, (atom_mean, stock_mean)
-    assert atom_max <= 1.5 * stock_max + 0.3, (atom_max, stock_max)
-    assert atom_mean < 0.1, atom_mean  # fp8-activation sized, not a broken layer
-    assert_close_greedy_run(graphs, ours, 0.15, prompt_atol=1.5, prompt_mean_atol=0.03, min_agreeing=0.5)
+    eager = _engine_process_run(checkpoint, prompts, tmp_path / "eager", atom=True)
+    graphs = _engine_process_run(checkpoint, prompts, tmp_path / "graphs", atom=True, engine={"enforce_eager": False})
+    (e_max, e_mean), (g_max, g_mean) = _distance(eager, reference), _distance(graphs, reference)
+    print(f"deepseek_v3 fp8 GPU engine vs the fp32 reference: eager {e_max:.4f} / {e_mean:.4f}, graphs "
+          f"{g_max:.4f} / {g_mean:.4f}; graphs vs eager {greedy_run_stats(graphs, eager)}")
+    for worst, mean in ((e_max, e_mean), (g_max, g_mean)):
+        assert mean < 0.08 and worst < 1.5, (worst, mean)
+    assert_close_greedy_run(graphs, eager, 0.15, prompt_atol=1.5, prompt_mean_atol=0.03, min_agreeing=0.5)
