@@ -49,6 +49,16 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h100_2026-11-24b/ab_dense-fp8_c256.json"},
     {"path": "bench/results/h100_2026-11-24b/ab_moe-fp8_c1.json"},
     {"path": "bench/results/h100_2026-11-24b/ab_moe-fp8_c128.json"},
+    # fp8 at the other dims (2026-11-24e): DeepSeek-V3 dims (two launches, pooled),
+    # Qwen3-235B-A22B and Qwen3-32B dims
+    {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_c1.json"},
+    {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_run2_c1.json"},
+    {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_c64.json"},
+    {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_run2_c64.json"},
+    {"path": "bench/results/h100_2026-11-24e/ab_moe235-fp8_c1.json"},
+    {"path": "bench/results/h100_2026-11-24e/ab_moe235-fp8_c64.json"},
+    {"path": "bench/results/h100_2026-11-24e/ab_dense32-fp8_c1.json"},
+    {"path": "bench/results/h100_2026-11-24e/ab_dense32-fp8_c64.json"},
 ]
 
 

@@ -256,6 +256,21 @@ def test_prefill_backend_is_vllms_where_vllm_has_one(monkeypatch):
         built.run_prefill_new_tokens()
     with pytest.raises(RuntimeError, match="atom's MLA impl runs its own prefill"):
         built.run_prefill_context_chunk()
+    # a GPU where vLLM has no prefill backend for the head dims (0.26: FlashAttention's MLA prefill
+    # is DeepSeek's dims only; the tiny DeepSeek-V3's engine failed there on the H100): the stand-in;
+    # any other error is vLLM's
+    monkeypatch.setattr(type(current_platform), "get_device_capability", classmethod(lambda cls, device_id=0: (9, 0)))
+
+    def none_for_these_dims(vllm_config):
+        raise ValueError("No valid MLA prefill backend found with MLAPrefillSelectorConfig(...)")
+
+    assert mla_patch.get_mla_prefill_backend(none_for_these_dims, None, ("config",), {}) is stand_in
+
+    def other(vllm_config):
+        raise ValueError("something else")
+
+    with pytest.raises(ValueError, match="something else"):
+        mla_patch.get_mla_prefill_backend(other, None, ("config",), {})
 
 
 def test_kv_cache_spec_is_vllms_latent_spec_checked_by_atom():

@@ -514,9 +514,13 @@ def test_gpu_vllm_engine_serves_fp8_checkpoint_close_to_the_exact_weights(checkp
     Stock vLLM 0.26 cannot be the other side at these tiny dims: its GPU MLA prefill has no
     backend for qk_nope / v head dims of 32 ("No valid MLA prefill backend found"), so stock's fp8
     DeepSeek-V3 runs against atom's at real dims in bench/gpu_run.sh ab (AB_MODEL=mla AB_FP8=1).
-    Bounds: the bf16 engines on the CPU are 0.91 max / 0.020 mean from this reference (router
-    near-ties, module docstring); the fp8 activation quantisation of the prefill (W8A8 from 17
-    tokens, the experts always) adds fp8 noise, the model-alone GPU test's size (~0.1 in logits)."""
+    Measured on the H100 (vLLM 0.26): eager max 0.918 / mean 0.096, graphs 0.917 / 0.096; graphs
+    vs eager 0.017 / 0.003, 90 % of the greedy tokens before the first divergence. Bounds: the
+    bf16 engines on the CPU are 0.91 max / 0.020 mean from this reference (router near-ties,
+    module docstring); the fp8 activation quantisation of the prefill (W8A8 from 17 tokens, the
+    experts always) adds fp8 noise of the model-alone GPU test's size (mean |d logit| 0.107 from
+    the weight-only reference, test_gpu_fp8_paths_match_dequantized_reference), hence a mean
+    bound of 0.15; a wrong scale or tile gives whole units."""
     prompts = mixed_prompts()
     reference = _reference_prompt_logprobs(checkpoint, prompts)
     eager = _engine_process_run(checkpoint, prompts, tmp_path / "eager", atom=True)
@@ -525,5 +529,5 @@ def test_gpu_vllm_engine_serves_fp8_checkpoint_close_to_the_exact_weights(checkp
     print(f"deepseek_v3 fp8 GPU engine vs the fp32 reference: eager {e_max:.4f} / {e_mean:.4f}, graphs "
           f"{g_max:.4f} / {g_mean:.4f}; graphs vs eager {greedy_run_stats(graphs, eager)}")
     for worst, mean in ((e_max, e_mean), (g_max, g_mean)):
-        assert mean < 0.08 and worst < 1.5, (worst, mean)
+        assert mean < 0.15 and worst < 1.5, (worst, mean)
     assert_close_greedy_run(graphs, eager, 0.15, prompt_atol=1.5, prompt_mean_atol=0.03, min_agreeing=0.5)

