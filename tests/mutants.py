@@ -196,6 +196,10 @@ MUTANTS = (
     Mutant("fused-quant-experts-ignore-it", "atom/ops/moe_triton.py",
            "    if fp8 and x_fp8 is not None:", "    if False:",
            ("tests/ops/test_fused_quant.py::test_fp8_experts_read_the_producers_quantisation",)),
+    # the MLA prefill stand-in where vLLM has no prefill backend for the head dims (0.26 on a GPU)
+    Mutant("mla-prefill-no-backend-raises", "atom/plugin/vllm/mla_patch.py",
+           'if "prefill backend" not in str(exc):\n                raise', "raise",
+           ("tests/attention/test_mla_patch.py::test_prefill_backend_is_vllms_where_vllm_has_one",)),
 )
 
 
