@@ -49,7 +49,7 @@
 #            .stage/tools/old holds a wheel, old (installed into /tmp/atom-old): a before/after
 #            check of one atom change. Each side has its own compile cache. AB_FP8=1: the checkpoint
 #            converted to 128x128 block fp8 first (bench/e2e_models.py quantize_block_fp8; the bf16 source is
-#            then deleted, other models' checkpoints before). AB_ROUNDS=0: start the sides and stop (fills the
+#            then deleted; other models' checkpoints go first when under 40 GiB are free). AB_ROUNDS=0: start the sides and stop (fills the
 #            JIT caches when a cold start and the measurement do not fit one command). AB_ENGINE: JSON engine
 #            arguments for every side (e.g. {"max_num_batched_tokens": 8192}: no change to a 128/128 cell's
 #            steps up to C=64, half of stock's DeepGEMM warm-up shapes). AB_CONC may be
