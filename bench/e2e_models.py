@@ -45,8 +45,11 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
 SMOKE_KINDS = {"dense": "qwen3", "moe": "qwen3_moe", "mla": "deepseek_v3"}
 
 
-def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int, init_std: float) -> dict:
-    """A random-weight bf16 checkpoint of model ``name`` in ``out`` (skipped when present)."""
+def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int, init_std: float,
+                router_skew: float = 0.0) -> dict:
+    """A random-weight bf16 checkpoint of model ``name`` in ``out`` (skipped when present);
+    ``router_skew`` > 0: MoE routers with Zipf-like expert popularity (:func:`router_row_scales`).
+    For MoE models the info records the skew and the load it gives (``router_load``)."""
     info_path = out / "e2e_model.json"
     if info_path.exists() and (out / "tokenizer.json").exists():
         return json.loads(info_path.read_text())
@@ -66,11 +69,14 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
     cfg = getattr(transformers, cls_name)(
         vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
         max_position_embeddings=8192, initializer_range=init_std, torch_dtype="bfloat16", **kwargs)
-    params = write_random_checkpoint(cfg, out, init_std)
+    params = write_random_checkpoint(cfg, out, init_std, router_skew=router_skew)
     if name == "mla":  # transformers 5 drops these; vLLM needs them for the correction bias
         c = json.loads((out / "config.json").read_text())
         c.update(topk_method="noaux_tc", scoring_func="sigmoid")
         (out / "config.json").write_text(json.dumps(c, indent=2))
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if top_k:
+        kwargs.update(router_skew=router_skew, router_load=router_load(_first_router(out), top_k))
     info = {"name": name, "layers": layers, "vocab": vocab, "params": params, "init_std": init_std,
             "config": {k: v for k, v in kwargs.items() if not isinstance(v, list)}, "build_s": round(time.time() - t0, 1)}
     info_path.write_text(json.dumps(info, indent=1))
@@ -83,12 +89,60 @@ def _one_d_init(name: str) -> float:
     return 1.0 if name.endswith("norm.weight") else 0.0
 
 
+#: A MoE router's weight in the e2e architectures (Qwen3-MoE, DeepSeek-V3): ``[experts, hidden]``.
+ROUTER_SUFFIX = ".mlp.gate.weight"
+
+
+def router_row_scales(num_experts: int, skew: float) -> Any:
+    """Row scales of a router weight for Zipf-like expert popularity: expert ``e``'s row times
+    ``(e + 1) ** -skew``, normalised to a mean square of 1 (the matrix keeps its std on average).
+
+    A router logit is ``h . w_e``; with random hidden states its spread grows with the row's
+    norm, so high-norm experts win the top-k more often. On Gaussian inputs, 128 experts, top-8:
+    skew 0 gives the most popular expert 1.3x the mean load, 0.1 2.1x, 0.2 3.5x (the top 10 %
+    of experts take 23 % of the slots, the least popular 0.37x the mean), 0.3 4.9x. Real routers'
+    imbalance (a few hot experts at 2-5x the mean) is about skew 0.1-0.3; :func:`router_load`
+    measures a built checkpoint's."""
+    import torch
+
+    scales = (torch.arange(num_experts, dtype=torch.float64) + 1.0) ** -float(skew)
+    return (scales / scales.pow(2).mean().sqrt()).float()
+
+
+def router_load(weight: Any, top_k: int, tokens: int = 8192, seed: int = 0) -> dict:
+    """The expert load a router weight ``[E, H]`` gives Gaussian hidden states under top-k of the
+    logits (softmax and sigmoid routers rank alike; DeepSeek's group limit is not applied):
+    the most and least popular expert's load over the mean, and the share of the slots the top
+    10 % of the experts take."""
+    import torch
+
+    w = weight.float().cpu()
+    h = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(seed))
+    idx = (h @ w.T).topk(top_k, dim=-1).indices
+    load = torch.bincount(idx.flatten(), minlength=w.shape[0]).double() / (tokens * top_k / w.shape[0])
+    ranked = load.sort(descending=True).values
+    top = max(1, w.shape[0] // 10)
+    return {"max_over_mean": round(ranked[0].item(), 3), "min_over_mean": round(ranked[-1].item(), 3),
+            "top10pct_share": round(ranked[:top].sum().item() / w.shape[0], 3)}
+
+
+def _first_router(folder: Path) -> Any:
+    """The first router weight in a checkpoint folder (in the index's order)."""
+    from safetensors import safe_open
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    name = next(n for n in index if n.endswith(ROUTER_SUFFIX))
+    with safe_open(str(folder / index[name]), "pt") as st:
+        return st.get_tensor(name)
+
+
 def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: int = 4 << 30,
-                            seed: int = 0) -> int:
+                            seed: int = 0, router_skew: float = 0.0) -> int:
     """Save a random bf16 checkpoint of HF config ``cfg`` in ``out`` without materialising the
     HF model: parameter names and shapes come from a model built on the meta device; matrices
     are N(0, init_std) (drawn on the GPU when there is one: a 36-layer 8B model takes seconds,
-    not the minutes of HF's own init), 1-D parameters HF's init (:func:`_one_d_init`). Written as
+    not the minutes of HF's own init), 1-D parameters HF's init (:func:`_one_d_init`); MoE routers'
+    rows scaled by :func:`router_row_scales` when ``router_skew`` is set. Written as
     ``model-0000i-of-0000n.safetensors`` shards + index, as ``save_pretrained`` does, with
     ``config.json``. Returns the parameter count."""
     import torch
@@ -107,6 +161,8 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
     for name, shape in shapes.items():
         if len(shape) >= 2:
             t = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, init_std, generator=gen)
+            if router_skew and name.endswith(ROUTER_SUFFIX) and len(shape) == 2:
+                t = (t.float() * router_row_scales(shape[0], router_skew).to(dev)[:, None]).to(torch.bfloat16)
         else:
             t = torch.full(shape, _one_d_init(name), dtype=torch.bfloat16, device=dev)
         nbytes = t.numel() * 2

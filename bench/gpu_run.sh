@@ -52,7 +52,9 @@
 #            then deleted; other models' checkpoints go first when under 40 GiB are free). AB_ROUNDS=0: start the sides and stop (fills the
 #            JIT caches when a cold start and the measurement do not fit one command). AB_ENGINE: JSON engine
 #            arguments for every side (e.g. {"max_num_batched_tokens": 8192}: no change to a 128/128 cell's
-#            steps up to C=64, half of stock's DeepGEMM warm-up shapes). AB_CONC may be
+#            steps up to C=64, half of stock's DeepGEMM warm-up shapes). AB_ROUTER_SKEW (MoE models, default 0:
+#            uniform): routers with Zipf-like expert popularity (bench/e2e_models.py router_row_scales; 0.2
+#            puts the hottest expert at ~3.5x the mean load), checkpoint and label suffixed -zipf<skew>. AB_CONC may be
 #            a comma list (cells interleaved in the same engines). -> $OUT/ab_<model>[_c<C>].json, .txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
@@ -140,6 +142,7 @@ for step in "$@"; do
         fp8gemm) timeout 560 python3 bench/fp8_gemm.py ${FP8GEMM_ARGS:---sweep} --json "$OUT/fp8_gemm.json" \
                 > "$OUT/fp8_gemm.txt" 2>&1; tail -60 "$OUT/fp8_gemm.txt" ;;
         ab) m="${AB_MODEL:-dense}"; l="${AB_LAYERS:-4}"; d="/tmp/atom-e2e-models/$m-L$l-v32000"
+            skew="${AB_ROUTER_SKEW:-0}"; [ "$skew" != 0 ] && { d="$d-zipf$skew"; m="$m-zipf$skew"; }
             for w in new old; do
                 src=.stage/tools; [ $w = old ] && src=.stage/tools/old
                 ls $src/atom_vllm-*.whl >/dev/null 2>&1 && [ ! -d /tmp/atom-$w ] && \
@@ -152,7 +155,7 @@ for step in "$@"; do
             fi
             [ "${AB_FP8:-0}" = 1 ] && [ -f "$d-fp8/config.json" ] || \
             python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from e2e_models import build_model; \
-                print(build_model('$m', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02))" 2>&1 | tail -1
+                print(build_model('${AB_MODEL:-dense}', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02, $skew))" 2>&1 | tail -1
             if [ "${AB_FP8:-0}" = 1 ]; then
                 python3 -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path; from e2e_models import quantize_block_fp8; \
                     print(quantize_block_fp8(Path('$d'), Path('$d-fp8')))" 2>&1 | tail -1

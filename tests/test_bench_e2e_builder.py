@@ -58,3 +58,48 @@ def test_random_checkpoint_loads_into_hf_with_hf_1d_init(e2e, name, tmp_path):
             assert abs(t.std().item() - 0.05) < 0.01, pname
         else:
             assert torch.equal(t, torch.full_like(t, 1.0 if pname.endswith("norm.weight") else 0.0)), pname
+
+
+@pytest.mark.parametrize("name", ["moe", "mla"])
+def test_router_skew_gives_zipf_like_expert_load(e2e, name, tmp_path):
+    """``router_skew``: each router's rows scaled by (e + 1) ** -skew (mean square 1, so the matrix
+    keeps its std), every other tensor as without it; the load measured on the written router is
+    skewed (hot experts at several times the mean), the unskewed one close to uniform."""
+    import transformers
+    from safetensors.torch import load_file
+
+    cls_name, kwargs, _ = e2e.MODELS[name]
+    tiny = {**TINY[name], **({"num_experts": 32} if name == "moe" else {"n_routed_experts": 32, "n_group": 4})}
+    cfg = getattr(transformers, cls_name)(**{**kwargs, **tiny, "num_hidden_layers": 2, "vocab_size": 128,
+                                             "tie_word_embeddings": False, "num_experts_per_tok": 4})
+    plain, skewed = tmp_path / "plain", tmp_path / "skewed"
+    e2e.write_random_checkpoint(cfg, plain, 0.05)
+    e2e.write_random_checkpoint(cfg, skewed, 0.05, router_skew=0.5)
+    a = {k: v for f in plain.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    b = {k: v for f in skewed.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    routers = [k for k in a if k.endswith(e2e.ROUTER_SUFFIX)]
+    assert routers and a.keys() == b.keys()
+    scales = e2e.router_row_scales(32, 0.5)
+    assert scales[0] > 2.5 * scales[-1] and abs(scales.pow(2).mean().item() - 1.0) < 1e-6
+    for k in a:
+        if k in routers:  # the same draw, rows scaled (bf16 rounding of the product)
+            torch.testing.assert_close(b[k].float(), (a[k].float() * scales[:, None]).to(torch.bfloat16).float())
+        else:
+            assert torch.equal(a[k], b[k]), k
+    flat, hot = e2e.router_load(a[routers[0]], 4), e2e.router_load(b[routers[0]], 4)
+    assert flat["max_over_mean"] < 1.7 < 2.5 < hot["max_over_mean"], (flat, hot)
+    assert hot["top10pct_share"] > 1.5 * flat["top10pct_share"] and hot["min_over_mean"] < flat["min_over_mean"]
+    assert e2e._first_router(skewed).shape == b[routers[0]].shape
+
+
+def test_build_model_records_the_router_skew_and_its_load(e2e, tmp_path, monkeypatch):
+    """build_model (the ab step's builder, AB_ROUTER_SKEW) passes the skew to the writer and
+    records it with the load measured on the checkpoint's first router."""
+    cls_name, kwargs, layers = e2e.MODELS["moe"]
+    monkeypatch.setitem(e2e.MODELS, "moe", (cls_name, {**kwargs, **TINY["moe"], "num_experts": 16,
+                                                       "num_experts_per_tok": 2}, layers))
+    monkeypatch.setattr(e2e, "transformers_sources", lambda max_chars: ["def f(x):\n    return x + 1\n" * 200])
+    info = e2e.build_model("moe", 2, tmp_path / "m", 512, 64, 0.05, router_skew=0.5)
+    assert info["config"]["router_skew"] == 0.5
+    assert info["config"]["router_load"] == e2e.router_load(e2e._first_router(tmp_path / "m"), 2)
+    assert info["config"]["router_load"]["max_over_mean"] > 1.5
