@@ -173,29 +173,27 @@ def test_atom_layer_is_routed_to_atom_impl_once_per_layer(monkeypatch):
 
 def test_quantised_checkpoint_default_scales_follow_vllms_own_rule(monkeypatch):
     """An fp8 checkpoint (DeepSeek-V3's block format) gives the layer a quant config: the wrapper
-    asks it for the layer's quant method the way the installed vLLM does (0.32+ through
-    ``resolve_quant_method``, 0.26 through ``quant_config.get_quant_method``, which the first H100
-    run of a block-fp8 DeepSeek-V3 engine on 0.26 failed on) and sets vLLM's default q/k/v
-    scales exactly when vLLM's own method would."""
+    asks it for the layer's quant method the way the installed vLLM does
+    (``compat.layer_quant_method``; the first H100 run of a block-fp8 DeepSeek-V3 engine on 0.26
+    failed there) and sets vLLM's default q/k/v scales exactly when vLLM's own method would."""
     from vllm.model_executor.layers.attention import mla_attention as m
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    from atom.plugin.vllm import compat
 
     monkeypatch.setattr(ATOMMLAImpl, "process_weights_after_loading", lambda self, act_dtype: None, raising=False)
     for rec in PATCHES:
         apply(rec)
-    for kv_cache_scheme, quant in ((None, {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                           "weight_block_size": [128, 128]}),
-                                   ("static", {"quant_method": "fp8", "activation_scheme": "static"})):
+    for quant in ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+                  {"quant_method": "fp8", "activation_scheme": "static"}):
         layer = _layer(_atom_impl())
         layer.quant_config, layer.layer_name = Fp8Config.from_config(quant), "model.layers.0.self_attn.mla_attn"
         set_default_quant_scales(layer, register_buffer=True)
         layer._k_scale.fill_(0.5)
-        resolve = getattr(m, "resolve_quant_method", None)
-        method = (resolve(layer.quant_config, layer, prefix=layer.layer_name) if resolve is not None
-                  else layer.quant_config.get_quant_method(layer, prefix=layer.layer_name))
+        method = compat.layer_quant_method(layer.quant_config, layer, layer.layer_name)
         layer.process_weights_after_loading(torch.bfloat16)
         expected = 0.5 if m.should_load_quant_weights(method) else 1.0
-        assert float(layer._k_scale) == expected, (kv_cache_scheme, type(method).__name__)
+        assert float(layer._k_scale) == expected, (quant, type(method).__name__)
         assert "forward_impl" in vars(layer)
 
 

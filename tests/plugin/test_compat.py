@@ -95,6 +95,26 @@ def test_platform_selects_mla_prefill_matches_vllm_source():
     assert asks == compat.platform_selects_mla_prefill()
 
 
+def test_layer_quant_method_asks_as_the_installed_mla_layer_does():
+    """0.32+: ``MLAAttention.process_weights_after_loading`` calls ``resolve_quant_method``; 0.26
+    has no such function and calls ``quant_config.get_quant_method`` (the call that failed on 0.26
+    before). Either way vLLM's fp8 config has no method for an MLA layer (its KV-cache method is
+    for ``Attention`` layers), so the layer gets vLLM's default q/k/v scales."""
+    import inspect
+
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    module = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
+    source = inspect.getsource(module.MLAAttention.process_weights_after_loading)
+    assert ("resolve_quant_method(" in source) == hasattr(module, "resolve_quant_method")
+    assert "resolve_quant_method(" in source or "quant_config.get_quant_method(" in source
+    layer = module.MLAAttention.__new__(module.MLAAttention)
+    config = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128]})
+    method = compat.layer_quant_method(config, layer, "model.layers.0.self_attn.attn")
+    assert method is None and not module.should_load_quant_weights(method)
+
+
 def test_mla_layer_builds_its_prefill_backend_through_the_patched_name():
     """MLAAttention.__init__ calls the ``get_mla_prefill_backend`` of its own module (the name
     the ``vllm.mla.prefill_backend`` record wraps), on every supported release."""

