@@ -131,6 +131,12 @@ def weight_gib(log: str) -> Optional[float]:
     return float(found[-1]) if found else None
 
 
+def _stop(procs: dict) -> None:
+    for proc in procs.values():
+        proc.stdin.close()
+        proc.terminate()
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -170,13 +176,11 @@ def main(argv: list[str]) -> int:
                                               stderr=logs[name].open("w"),
                                               # vLLM's log (kernel choices, weight memory) into the side's log file
                                               env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **env})
-        loaded = []  # where vLLM logs to stdout after all, its "Model loading took" line comes before READY
         for line in proc.stdout:
-            loaded += [line] if _LOADED.search(line) else []
             if line.startswith("READY "):
                 facts[name] = json.loads(line[6:])
                 facts[name]["ready_s"] = round(time.time() - t_side, 1)
-                facts[name]["weight_gib"] = weight_gib("".join(loaded) + logs[name].read_text())
+                facts[name]["weight_gib"] = weight_gib(logs[name].read_text())
                 break
         else:
             for other in procs.values():  # no engine left holding the GPU
@@ -184,9 +188,7 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"side {name} died while starting: {logs[name].read_text()[-3000:]}")
     print(f"[ab] {len(sides)} sides ready after {time.time() - t_start:.0f} s: {facts}", flush=True)
     if args.rounds == 0:  # start-up only: fills the JIT / compile caches for a later run
-        for proc in procs.values():
-            proc.stdin.close()
-            proc.terminate()
+        _stop(procs)
         if args.json:
             Path(args.json).with_suffix(".startup.json").write_text(json.dumps(
                 {"label": args.label, "model": args.model, "gpu": gpu_name(), "sides": facts,
@@ -214,9 +216,7 @@ def main(argv: list[str]) -> int:
                           f"throttled {res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
     finally:
         clocks.stop()
-        for proc in procs.values():
-            proc.stdin.close()
-            proc.terminate()
+        _stop(procs)
     for conc in concs:
         record = _record(args, sides, order, conc, results[conc], facts, logs)
         if args.json:
