@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["EnvError", "EnvVar", "VARIABLES", "get", "is_set", "set_values", "OPS_BACKENDS",
-           "COMPILE_ELEMENTWISE"]
+           "COMPILE_ELEMENTWISE", "FP8_HOST_GEMMS"]
 
 
 class EnvError(ValueError):
@@ -32,6 +32,9 @@ class EnvError(ValueError):
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+
+#: vLLM's block-fp8 GEMMs atom's linears can hand larger batches to (see ATOM_FP8_HOST_GEMM).
+FP8_HOST_GEMMS = ("auto", "deepgemm", "cutlass")
 
 #: Kernel backends an op can be forced onto (see ATOM_OPS_BACKEND).
 OPS_BACKENDS = ("auto", "aiter", "triton", "torch")
@@ -81,6 +84,16 @@ def _parse_ops_backend(name: str, raw: str) -> dict[str, str]:
             )
         result[op] = backend
     return result
+
+
+def _parse_auto_or_nonneg_int(name: str, raw: str) -> "int | None":
+    """``auto`` -> None (the caller's per-case default), else an integer >= 0."""
+    if raw.strip().lower() == "auto":
+        return None
+    try:
+        return _parse_nonneg_int(name, raw)
+    except EnvError:
+        raise EnvError(f"{name}={raw!r} is not a valid value; accepted values: auto, or an integer >= 0") from None
 
 
 def _parse_nonneg_int(name: str, raw: str) -> int:
@@ -263,11 +276,21 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_bool, _BOOL,
         ),
         EnvVar(
-            "ATOM_FP8_HOST_GEMM_MIN_TOKENS", "int", "128",
+            "ATOM_FP8_HOST_GEMM", "choice", "auto",
+            "Block-scaled fp8 linears under vLLM on NVIDIA GPUs: which of vLLM's own block-fp8 GEMMs "
+            "atom calls for larger batches (from ATOM_FP8_HOST_GEMM_MIN_TOKENS tokens per step): "
+            "`deepgemm` (vLLM's DeepGEMM `fp8_gemm_nt`, on the checkpoint's own scales), `cutlass` "
+            "(vLLM's `cutlass_scaled_mm`), `auto` = DeepGEMM where vLLM says it runs (Hopper / "
+            "Blackwell, `deep_gemm` installed, VLLM_USE_DEEP_GEMM not 0), else CUTLASS.",
+            _choice(*FP8_HOST_GEMMS), ", ".join(FP8_HOST_GEMMS),
+        ),
+        EnvVar(
+            "ATOM_FP8_HOST_GEMM_MIN_TOKENS", "auto or int", "auto",
             "Block-scaled fp8 linears under vLLM on NVIDIA GPUs: from this many tokens per step, call "
-            "vLLM's own CUTLASS block-fp8 GEMM (128x128 blocks, dims multiples of 128) instead of "
-            "atom's Triton kernel; 0 = never.",
-            _parse_nonneg_int, "an integer >= 0",
+            "vLLM's block-fp8 GEMM (ATOM_FP8_HOST_GEMM; 128x128 blocks) instead of atom's Triton "
+            "kernel; 0 = never; auto = 17 for DeepGEMM, 128 for CUTLASS (where each measured "
+            "faster than atom's kernel, docs/performance.md).",
+            _parse_auto_or_nonneg_int, "auto, or an integer >= 0",
         ),
         EnvVar(
             "ATOM_MLA_CONTEXT_CHUNK_TOKENS", "int", "0",

@@ -37,6 +37,9 @@ SHAPES = [
     ("qwen3-8b gate_up", 24576, 4096), ("qwen3-8b down", 4096, 12288),
     ("qwen3-32b qkv", 10240, 5120), ("qwen3-32b down", 5120, 25600),
     ("dsv3 q_a+kv_a", 2112, 7168), ("dsv3 q_b", 24576, 1536), ("dsv3 o", 7168, 16384),
+    ("qwen3-32b o", 5120, 8192), ("qwen3-32b gate_up", 51200, 5120),
+    ("qwen3-235b qkv", 9216, 4096), ("qwen3-235b o", 4096, 8192),
+    ("qwen3-30b qkv", 5120, 2048), ("qwen3-30b o", 2048, 4096),
 ]
 MS = [1, 8, 64, 256, 4096]
 
@@ -112,6 +115,30 @@ def stock_deepgemm():
     return make
 
 
+def atom_default():
+    """atom's op as its linears call it under vLLM: W8A16 up to 16 tokens, then the host GEMM
+    the plugin installs (``ATOM_FP8_HOST_GEMM``, DeepGEMM on the H100), W8A8 Triton where it declines."""
+    from atom.ops import fp8_block_gemm
+    from atom.ops.fp8_gemm import set_host_gemm
+    from atom.ops import fp8_gemm as op
+    from atom.plugin.vllm import fp8_gemm as host
+
+    host.install.cache_clear()
+    name = host.install()
+    gemm, _ = op._HOST_GEMM, set_host_gemm(None)
+    print(f"[fp8_gemm] atom default: host GEMM {name} from {gemm.min_tokens if gemm else '-'} tokens", flush=True)
+
+    def make(w, s):
+        def call(x):
+            set_host_gemm(gemm)
+            try:
+                return fp8_block_gemm.run("triton", x, w, s, BLOCK, w8a8_from=17)
+            finally:
+                set_host_gemm(None)
+        return call
+    return make
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json")
@@ -123,7 +150,8 @@ def main(argv: list[str]) -> int:
 
     dev = torch.device("cuda")
     makers = {}
-    for name, factory in (("stock cutlass", stock_cutlass), ("stock deepgemm", stock_deepgemm)):
+    for name, factory in (("atom default", atom_default), ("stock cutlass", stock_cutlass),
+                          ("stock deepgemm", stock_deepgemm)):
         try:
             makers[name] = factory()
         except Exception as e:  # noqa: BLE001
@@ -167,7 +195,7 @@ def main(argv: list[str]) -> int:
                 flops = 2 * m * n * k
                 row["sides"][name] = {"us": t * 1e6, "rel_err": err, "wrong": err > 0.08,
                                       "hbm_pct": 100 * nbytes / t / HBM,
-                                      "peak_pct": 100 * flops / t / (FP8_PEAK if "w8a8" in name or "stock" in name
+                                      "peak_pct": 100 * flops / t / (FP8_PEAK if "w8a8" in name or "stock" in name or "default" in name
                                                                     else BF16_PEAK)}
             rows.append(row)
             cells = "  ".join(f"{nm} {v['us']:.1f}us" + (" WRONG" if v.get("wrong") else "") if "us" in v

@@ -117,7 +117,8 @@ MALFORMED = {
     "ATOM_FP8_W8A8_MIN_TOKENS": ["-1", "abc", "1.5", ""],
     "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA": ["2", "maybe", ""],
     "ATOM_DISABLE_FP8_FUSED_ACT_QUANT": ["2", "maybe", ""],
-    "ATOM_FP8_HOST_GEMM_MIN_TOKENS": ["-128", "x", "2.0", ""],
+    "ATOM_FP8_HOST_GEMM": ["cublas", "deep_gemm", "auto,cutlass"],
+    "ATOM_FP8_HOST_GEMM_MIN_TOKENS": ["-128", "x", "2.0", "", "automatic"],
     "ATOM_MLA_DECODE_TILE": ["64,64,8", "48,64,8,2", "64,64,3,2", "64,64,8,0", "big"],
 }
 

@@ -119,15 +119,18 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 class HostGemm(NamedTuple):
-    """A block-fp8 GEMM the host framework ships (vLLM: its CUTLASS ``cutlass_scaled_mm``),
-    offered by the host's plugin (:func:`set_host_gemm`) and used from ``min_tokens`` rows up.
-    ``fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)`` returns ``y``, or None
-    where it does not apply (the op then runs atom's kernel); ``x_fp8`` / ``x_fp8_scale`` (None
-    when absent) are ``x``'s fused 1 x 128 quantisation, any scale strides."""
+    """A block-fp8 GEMM the host framework ships (vLLM: DeepGEMM's ``fp8_gemm_nt`` or its CUTLASS
+    ``cutlass_scaled_mm``), offered by the host's plugin (:func:`set_host_gemm`) and used from
+    ``min_tokens`` rows up. ``fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)``
+    returns ``y``, or None where it does not apply (the op then runs atom's kernel); ``x_fp8`` /
+    ``x_fp8_scale`` (None when absent) are ``x``'s fused 1 x 128 quantisation, any scale strides.
+    ``warm_up(weight, weight_scale, block_shape, act_dtype)`` (optional) compiles the kernel's
+    variants for one weight before serving and returns the launches made."""
 
     fn: Callable[..., Optional[torch.Tensor]]
     min_tokens: int
     name: str
+    warm_up: Optional[Callable[..., int]] = None
 
 
 _HOST_GEMM: Optional[HostGemm] = None
@@ -184,13 +187,18 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
                            force: bool = False) -> int:
     """Compile, before the first request, every kernel variant :func:`fp8_block_gemm` launches for
     this weight shape (one per batch-size bucket, W8A16 below ``w8a8_from`` tokens and W8A8 from
-    it); once per process and shape. Returns the launches made: 0 when the op would not run
-    Triton on the weight's device unless ``force`` (tests, under the Triton interpreter)."""
+    it), and the host GEMM's own variants where it has a warm-up (:class:`HostGemm`); once per
+    process and shape. Returns the launches made: 0 when the op would not run Triton on the
+    weight's device unless ``force`` (tests, under the Triton interpreter)."""
     key = (tuple(weight.shape), tuple(weight_scale.shape), tuple(int(b) for b in block_shape), act_dtype,
            str(weight.device), w8a8_from, has_bias)
     if not fp8_block_gemm.claim_warm_up(key, weight.device.type, force):
         return 0
     from atom.ops.fp8_gemm_triton import warm_up
 
-    return warm_up(weight, weight_scale, (int(block_shape[0]), int(block_shape[1])), act_dtype, w8a8_from,
-                   has_bias)
+    block = (int(block_shape[0]), int(block_shape[1]))
+    launches = warm_up(weight, weight_scale, block, act_dtype, w8a8_from, has_bias)
+    host = _HOST_GEMM
+    if host is not None and host.warm_up is not None:
+        launches += host.warm_up(weight, weight_scale, block, act_dtype)
+    return launches

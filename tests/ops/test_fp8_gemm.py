@@ -176,17 +176,41 @@ def test_host_gemm_is_used_from_its_batch_size_and_declines_fall_back():
     torch.testing.assert_close(declined, fp8_block_gemm.reference(x9, w, s, (64, 64)), atol=1e-3, rtol=1e-3)
 
 
+def test_host_gemm_warm_up_runs_with_the_layers_warm_up():
+    """A host GEMM's warm-up (DeepGEMM compiles per shape just in time) runs inside atom's
+    per-shape warm-up, once per shape, and its launches are counted."""
+    from atom.ops import warm_up_fp8_block_gemm
+    from atom.ops.fp8_gemm import HostGemm, set_host_gemm
+
+    w, s = _weights(80, 96, (16, 32))
+    seen = []
+
+    def warm(weight, weight_scale, block, act_dtype):
+        seen.append((tuple(weight.shape), block, act_dtype))
+        return 5
+
+    set_host_gemm(HostGemm(lambda *a: None, 8, "fake", warm))
+    try:
+        first = warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, force=True)
+        again = warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, force=True)
+    finally:
+        set_host_gemm(None)
+    assert seen == [((80, 96), (16, 32), torch.float32)]
+    assert first > 5 and again == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [128, 1000])
-def test_gpu_vllm_cutlass_host_gemm_matches_reference(m):
+def test_gpu_vllm_cutlass_host_gemm_matches_reference(m, monkeypatch):
     """vLLM's CUTLASS block-fp8 GEMM as atom's plugin calls it (activation quantisation included)
     is within fp8 activation noise of the exact product, and the op routes to it."""
     pytest.importorskip("vllm")
     from atom.ops.fp8_gemm import set_host_gemm
     from atom.plugin.vllm import fp8_gemm as host
 
+    monkeypatch.setenv("ATOM_FP8_HOST_GEMM", "cutlass")
     host.install.cache_clear()
-    assert host.install() == host.NAME
+    assert host.install() == host.CUTLASS
     try:
         w, s = _weights(1024, 2048, (128, 128))
         x = torch.randn(m, 2048, device=DEVICE, dtype=torch.bfloat16)
@@ -207,6 +231,50 @@ def test_gpu_vllm_cutlass_host_gemm_matches_reference(m):
             fed = _triton(x, w, s, (128, 128), bias=bias, x_fp8=q, x_fp8_scale=scales)
             assert (fed.float() - want).abs().max() <= 0.08 * want.abs().max()
             torch.testing.assert_close(fed.float(), own.float(), atol=0.01 * want.abs().max().item(), rtol=0.01)
+    finally:
+        set_host_gemm(None)
+        host.install.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 64, 300])
+def test_gpu_vllm_deepgemm_host_gemm_matches_atoms_w8a8_on_the_same_numbers(m, monkeypatch):
+    """DeepGEMM's ``fp8_gemm_nt`` as atom's plugin calls it, on the checkpoint's float32 scales:
+    the op routes to it from 17 tokens (auto), its product on a producer's quantised input equals
+    atom's own W8A8 kernel's on that input up to accumulation order (no E8M0 rounding of any
+    scale), and with its own quantisation it is within fp8 activation noise of the exact product.
+    Its warm-up compiles the variants for the shape."""
+    pytest.importorskip("vllm")
+    from vllm.utils import deep_gemm as dg
+
+    if not dg.is_deep_gemm_supported() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("DeepGEMM's Hopper kernel does not run here")
+    from atom.ops.fp8_gemm import set_host_gemm
+    from atom.ops.fused_quant import column_major
+    from atom.plugin.vllm import fp8_gemm as host
+
+    monkeypatch.setenv("ATOM_FP8_HOST_GEMM", "auto")
+    monkeypatch.delenv("ATOM_FP8_HOST_GEMM_MIN_TOKENS", raising=False)
+    host.install.cache_clear()
+    assert host.install() == host.DEEPGEMM
+    try:
+        from atom.ops import fp8_gemm as op
+
+        assert op._HOST_GEMM.min_tokens == 17 and op._HOST_GEMM.warm_up is not None
+        w, s = _weights(1024, 2048, (128, 128))
+        assert op._HOST_GEMM.warm_up(w, s, (128, 128), torch.bfloat16) > 0
+        x = torch.randn(m, 2048, device=DEVICE, dtype=torch.bfloat16)
+        bias = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16)
+        want = x.float() @ dequant_block_fp8(w, s, (128, 128)).t() + bias.float()
+        got = _triton(x, w, s, (128, 128), bias=bias)
+        direct = host.deepgemm_block_gemm()(x, w, s, (128, 128), bias)
+        assert torch.equal(got, direct)
+        assert (got.float() - want).abs().max() <= 0.08 * want.abs().max()
+        q, qs = per_block_quant_fp8(x, 128)
+        own = _triton(q, w, s, (128, 128), x_scale=qs, bias=bias, out_dtype=torch.bfloat16)
+        for scales in (qs, column_major(qs)):
+            fed = _triton(x, w, s, (128, 128), bias=bias, x_fp8=q, x_fp8_scale=scales)
+            torch.testing.assert_close(fed.float(), own.float(), atol=0.005 * want.abs().max().item(), rtol=0.01)
     finally:
         set_host_gemm(None)
         host.install.cache_clear()
