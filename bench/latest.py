@@ -57,8 +57,12 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_run2_c64.json"},
     {"path": "bench/results/h100_2026-11-24e/ab_moe235-fp8_c1.json"},
     {"path": "bench/results/h100_2026-11-24e/ab_moe235-fp8_c64.json"},
-    {"path": "bench/results/h100_2026-11-24e/ab_dense32-fp8_c1.json"},
-    {"path": "bench/results/h100_2026-11-24e/ab_dense32-fp8_c64.json"},
+    {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run1_c1.json"},
+    {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run2_c1.json"},
+    {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run3_c1.json"},
+    {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run1_c64.json"},
+    {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run2_c64.json"},
+    {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run3_c64.json"},
 ]
 
 

@@ -66,7 +66,11 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "atom.ops.fp8_block_gemm, W8A16 exact and W8A8 from 17 tokens) match "
                  "the dequantised reference in the GPU test (model alone); H100 engine on a per-tensor "
                  "fp8 checkpoint vs stock vLLM's own fp8 kernels: teacher-forced logprobs within 0.11 "
-                 "(mean 0.024)",
+                 "(mean 0.024); from 17 tokens per step the block-fp8 linears call vLLM's DeepGEMM on "
+                 "Hopper (GPU test: equal to atom's W8A8 kernel on the same quantised input). Dense "
+                 "block-fp8 checkpoints on NVIDIA GPUs are served by vLLM's own model unless "
+                 "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1 (Qwen3-32B dims, 8 layers: atom ties stock's fp8 "
+                 "path, docs/performance.md)",
         quantization=("fp8",),
         sglang_wrapper="Qwen3ForCausalLM", sglang_verified=_SGLANG_CPU_CI,
     ),
