@@ -10,7 +10,9 @@ the environment once per process), all alive at once on the same GPU (``--gpu-ut
 that the sides see the same thermal and power state. The sides then take turns: round r runs a
 measurement window (``--window`` seconds of back-to-back batches of ``--conc`` fresh random
 prompts, ``--in`` tokens in, ``--out`` out, greedy) on each side, starting with a different side
-each round. A side's ``KEY=VALUE,KEY=VALUE`` sets its environment (``NAME:`` for none).
+each round. ``--launches N`` repeats this N times with freshly started engines (the protocol's
+>= 3 launches per side in one command; seeds differ per launch, every window counts in the
+interval). A side's ``KEY=VALUE,KEY=VALUE`` sets its environment (``NAME:`` for none).
 
 Reported per side: the median output tok/s over the rounds and its range; per non-reference
 side the ratio of medians to the first side (the reference) with a bootstrap 95 % interval over
@@ -148,6 +150,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=5,
                    help="0: start every side, report start-up time and weight memory, stop (fills the caches)")
     p.add_argument("--window", type=float, default=20.0)
+    p.add_argument("--launches", type=int, default=1,
+                   help="engine launches per side in this run, each with --rounds rounds (the protocol asks for >= 3)")
     p.add_argument("--gpu-util", type=float, default=0.28)
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--vocab", type=int, default=32000)
@@ -163,13 +167,69 @@ def main(argv: list[str]) -> int:
             "max_model_len": args.max_model_len or args.in_len + args.out_len + 16}
     logdir = Path(args.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
+    order = [name for name, _ in sides]
+    if args.rounds == 0:  # start-up only: fills the JIT / compile caches for a later run
+        procs, facts, logs = _start(sides, spec, logdir, "")
+        _stop(procs)
+        if args.json:
+            Path(args.json).with_suffix(".startup.json").write_text(json.dumps(
+                {"label": args.label, "model": args.model, "gpu": gpu_name(), "sides": facts,
+                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=2))
+        return 0
+    results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name, _ in sides} for c in concs}
+    launch_facts: list[dict[str, dict]] = []
+    all_logs: dict[str, list[Path]] = {name: [] for name in order}
+    for launch in range(args.launches):
+        # each launch: fresh engines (their start-up is part of the spread being measured), then
+        # the interleaved rounds; the sides start in turn, as in every launch
+        procs, facts, logs = _start(sides, spec, logdir, f".launch{launch + 1}" if args.launches > 1 else "")
+        launch_facts.append(facts)
+        for name in order:
+            all_logs[name].append(logs[name])
+        clocks = Clocks()
+        clocks.start()
+        try:
+            for r in range(args.rounds):
+                for conc in concs:
+                    for name in order[r % len(order):] + order[: r % len(order)]:
+                        t0 = time.time()
+                        seed = 1000 * r + 100000 * launch
+                        procs[name].stdin.write(json.dumps({"seed": seed, "seconds": args.window, "conc": conc}) + "\n")
+                        procs[name].stdin.flush()
+                        line = next((ln for ln in procs[name].stdout if ln.startswith("RESULT ")), None)
+                        if line is None:
+                            raise SystemExit(f"side {name} died: {logs[name].read_text()[-3000:]}")
+                        res = json.loads(line[7:])
+                        res["clocks"] = clocks.window(t0, time.time())
+                        res["launch"] = launch + 1
+                        results[conc][name].append(res)
+                        print(f"[ab] launch {launch + 1} round {r + 1} C={conc} {name:<10} {res['tok_s']:9.0f} tok/s "
+                              f"over {res['seconds']:5.1f} s ({res['batches']} batches) sm "
+                              f"{res['clocks'].get('sm_mhz_median')} MHz throttled "
+                              f"{res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
+        finally:
+            clocks.stop()
+            _stop(procs)
+    facts = {name: {**launch_facts[-1][name],
+                    "ready_s_per_launch": [f[name]["ready_s"] for f in launch_facts]} for name in order}
+    for conc in concs:
+        record = _record(args, sides, order, conc, results[conc], facts, all_logs)
+        if args.json:
+            path = Path(args.json)
+            if len(concs) > 1:
+                path = path.with_name(f"{path.stem}_c{conc}{path.suffix}")
+            path.write_text(json.dumps(record, indent=2))
+    return 0
+
+
+def _start(sides: list, spec: dict, logdir: Path, suffix: str) -> tuple[dict, dict, dict]:
+    """Start every side's engine, one after another (vLLM sizes its KV cache from a memory
+    profile of its own start-up, which another engine starting on the same GPU at the same time
+    corrupts: "No available memory for the cache blocks"). Returns (processes, facts, log paths)."""
     procs, facts, logs = {}, {}, {}
     t_start = time.time()
-    # One side after another: vLLM sizes its KV cache from a memory profile of its own start-up,
-    # which another engine starting on the same GPU at the same time corrupts ("No available
-    # memory for the cache blocks").
     for name, env in sides:
-        logs[name] = logdir / f"{name}.log"
+        logs[name] = logdir / f"{name}{suffix}.log"
         t_side = time.time()
         procs[name] = proc = subprocess.Popen([sys.executable, str(HERE / "ab_worker.py"), json.dumps(spec)],
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -187,44 +247,7 @@ def main(argv: list[str]) -> int:
                 other.kill()
             raise SystemExit(f"side {name} died while starting: {logs[name].read_text()[-3000:]}")
     print(f"[ab] {len(sides)} sides ready after {time.time() - t_start:.0f} s: {facts}", flush=True)
-    if args.rounds == 0:  # start-up only: fills the JIT / compile caches for a later run
-        _stop(procs)
-        if args.json:
-            Path(args.json).with_suffix(".startup.json").write_text(json.dumps(
-                {"label": args.label, "model": args.model, "gpu": gpu_name(), "sides": facts,
-                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=2))
-        return 0
-    clocks = Clocks()
-    clocks.start()
-    results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name, _ in sides} for c in concs}
-    order = [name for name, _ in sides]
-    try:
-        for r in range(args.rounds):
-            for conc in concs:
-                for name in order[r % len(order):] + order[: r % len(order)]:
-                    t0 = time.time()
-                    procs[name].stdin.write(json.dumps({"seed": 1000 * r, "seconds": args.window, "conc": conc}) + "\n")
-                    procs[name].stdin.flush()
-                    line = next((ln for ln in procs[name].stdout if ln.startswith("RESULT ")), None)
-                    if line is None:
-                        raise SystemExit(f"side {name} died: {logs[name].read_text()[-3000:]}")
-                    res = json.loads(line[7:])
-                    res["clocks"] = clocks.window(t0, time.time())
-                    results[conc][name].append(res)
-                    print(f"[ab] round {r + 1} C={conc} {name:<10} {res['tok_s']:9.0f} tok/s over {res['seconds']:5.1f} s "
-                          f"({res['batches']} batches) sm {res['clocks'].get('sm_mhz_median')} MHz "
-                          f"throttled {res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
-    finally:
-        clocks.stop()
-        _stop(procs)
-    for conc in concs:
-        record = _record(args, sides, order, conc, results[conc], facts, logs)
-        if args.json:
-            path = Path(args.json)
-            if len(concs) > 1:
-                path = path.with_name(f"{path.stem}_c{conc}{path.suffix}")
-            path.write_text(json.dumps(record, indent=2))
-    return 0
+    return procs, facts, logs
 
 
 def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[str, list[dict]],
@@ -233,15 +256,15 @@ def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[s
     ref = order[0]
     record: dict[str, Any] = {"gpu": gpu_name(),
         "label": args.label, "model": args.model, "in": args.in_len, "out": args.out_len, "conc": conc,
-        "rounds": args.rounds, "window_s": args.window, "launches_per_side": 1, "reference": ref,
+        "rounds": args.rounds, "window_s": args.window, "launches_per_side": args.launches, "reference": ref,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sides": {},
     }
-    print(f"\n{args.label or args.model}: {args.in_len}/{args.out_len} at C={conc}, {args.rounds} interleaved "
-          f"rounds of >= {args.window:.0f} s per side")
+    print(f"\n{args.label or args.model}: {args.in_len}/{args.out_len} at C={conc}, {args.launches} launch(es) x "
+          f"{args.rounds} interleaved rounds of >= {args.window:.0f} s per side")
     for name, _ in sides:
         tok = [x["tok_s"] for x in results[name]]
-        kernels = sorted({line.split("] ", 1)[-1][:200] for line in logs[name].read_text().splitlines()
-                          if KERNEL_LINE.search(line)})
+        kernels = sorted({line.split("] ", 1)[-1][:200] for log in logs[name]
+                          for line in log.read_text().splitlines() if KERNEL_LINE.search(line)})
         side = {"env": dict(sides[order.index(name)][1]), "tok_s": tok, "median": statistics.median(tok),
                 "min": min(tok), "max": max(tok), "facts": facts[name], "kernel_log_lines": kernels,
                 "throttled_windows": sum(1 for x in results[name] if x["clocks"].get("throttled_samples")),
@@ -257,7 +280,6 @@ def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[s
         print(line + f"  throttled windows {side['throttled_windows']}/{len(tok)}  {facts[name]}")
         record["sides"][name] = side
     return record
-    return 0
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@
 #            steps up to C=64, half of stock's DeepGEMM warm-up shapes). AB_ROUTER_SKEW (MoE models, default 0:
 #            uniform): routers with Zipf-like expert popularity (bench/e2e_models.py router_row_scales; 0.2
 #            puts the hottest expert at ~3.5x the mean load), checkpoint and label suffixed -zipf<skew>. AB_CONC may be
-#            a comma list (cells interleaved in the same engines). -> $OUT/ab_<model>[_c<C>].json, .txt
+#            a comma list (cells interleaved in the same engines). AB_LAUNCHES (default 1): fresh engine launches per side in
+#            this one command, AB_ROUNDS rounds each. -> $OUT/ab_<model>[_c<C>].json, .txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 #   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
@@ -165,7 +166,7 @@ for step in "$@"; do
                    --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom${fp8_atom:-}")
             [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")
             timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m-L$l" "${sides[@]}" \
-                --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" \
+                --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" \
                 --window "${AB_WINDOW:-15}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
                 --engine "${AB_ENGINE:-{\}}" \
                 --json "$OUT/ab_$m.json" > "$OUT/ab_$m.txt" 2>&1

@@ -46,7 +46,7 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     out = tmp_path / "cell.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH / "ab.py"), "--model", str(model), "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1",
-         "--side", "atom:ATOM_ENABLE_ON_CPU=1", "--in", "16", "--out", "8", "--conc", "4", "--rounds", "2",
+         "--side", "atom:ATOM_ENABLE_ON_CPU=1", "--in", "16", "--out", "8", "--conc", "4", "--rounds", "1", "--launches", "2",
          "--window", "0.5", "--gpu-util", "0.2", "--vocab", "1000", "--logdir", str(tmp_path / "logs"),
          "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}), "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
@@ -55,7 +55,11 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     record = json.loads(out.read_text())
     stock, atom = record["sides"]["stock"], record["sides"]["atom"]
+    # two launches of one round each: fresh engines per launch, every window counted
     assert len(stock["tok_s"]) == len(atom["tok_s"]) == 2 and record["reference"] == "stock"
+    assert record["launches_per_side"] == 2 and len(atom["facts"]["ready_s_per_launch"]) == 2
+    assert [c.get("samples") is not None for c in atom["clocks"]] == [True, True]
+    assert (tmp_path / "logs" / "atom.launch2.log").read_text().count("Initializing a V1 LLM engine") == 1
     assert stock["facts"]["model_class"].endswith("qwen3.Qwen3ForCausalLM")
     assert atom["facts"]["attention_impls"] == ["ATOMAttentionImpl"]
     assert atom["agreement"] == 1.0  # fp32 greedy on identical prompts
@@ -63,7 +67,7 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     assert "atom attention backend ATOMAttentionBackend selected" in atom["kernel_log_lines"]
     # vLLM's own log (where its kernel selections and weight memory are said) is in each side's
     # log file, which the kernel lines are read from, not lost on the pipe the sides answer on
-    assert "Initializing a V1 LLM engine" in (tmp_path / "logs" / "stock.log").read_text()
+    assert "Initializing a V1 LLM engine" in (tmp_path / "logs" / "stock.launch1.log").read_text()
     assert stock["facts"]["versions"]["vllm"] == atom["facts"]["versions"]["vllm"] and "gpu" in record
     assert atom["facts"]["versions"]["atom_from"]
     assert stock["facts"]["ready_s"] > 0 and atom["facts"]["ready_s"] > 0 and "weight_gib" in atom["facts"]
