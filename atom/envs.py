@@ -280,8 +280,9 @@ VARIABLES: dict[str, EnvVar] = {
             "Block-scaled fp8 linears under vLLM on NVIDIA GPUs: which of vLLM's own block-fp8 GEMMs "
             "atom calls for larger batches (from ATOM_FP8_HOST_GEMM_MIN_TOKENS tokens per step): "
             "`deepgemm` (vLLM's DeepGEMM `fp8_gemm_nt`, on the checkpoint's own scales), `cutlass` "
-            "(vLLM's `cutlass_scaled_mm`), `auto` = DeepGEMM where vLLM says it runs (Hopper / "
-            "Blackwell, `deep_gemm` installed, VLLM_USE_DEEP_GEMM not 0), else CUTLASS.",
+            "(vLLM's `cutlass_scaled_mm`), `auto` = DeepGEMM where vLLM says it runs on a Hopper GPU "
+            "(`deep_gemm` installed, VLLM_USE_DEEP_GEMM not 0), else CUTLASS (also on Blackwell, "
+            "whose DeepGEMM kernel needs E8M0 scales).",
             _choice(*FP8_HOST_GEMMS), ", ".join(FP8_HOST_GEMMS),
         ),
         EnvVar(
