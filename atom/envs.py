@@ -270,8 +270,8 @@ VARIABLES: dict[str, EnvVar] = {
             "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", "bool", "0",
             "Serve 128x128 block-fp8 checkpoints of dense architectures (Qwen3-FP8, Llama) with "
             "atom's models on NVIDIA GPUs. Off by default: there atom steps aside and vLLM's own "
-            "model serves them, because vLLM's DeepGEMM path measured faster at 64+ concurrent "
-            "sequences (docs/performance.md). MoE architectures (Qwen3-MoE, DeepSeek-V3) are "
+            "model serves them, because atom's fp8 path (vLLM's DeepGEMM from 17 tokens) measured "
+            "no faster than vLLM's own (docs/performance.md). MoE architectures (Qwen3-MoE, DeepSeek-V3) are "
             "atom's either way; no effect on CPU, ROCm or per-tensor fp8.",
             _parse_bool, _BOOL,
         ),

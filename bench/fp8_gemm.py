@@ -119,13 +119,14 @@ def atom_default():
     """atom's op as its linears call it under vLLM: W8A16 up to 16 tokens, then the host GEMM
     the plugin installs (``ATOM_FP8_HOST_GEMM``, DeepGEMM on the H100), W8A8 Triton where it declines."""
     from atom.ops import fp8_block_gemm
-    from atom.ops.fp8_gemm import set_host_gemm
     from atom.ops import fp8_gemm as op
+    from atom.ops.fp8_gemm import set_host_gemm
     from atom.plugin.vllm import fp8_gemm as host
 
     host.install.cache_clear()
     name = host.install()
-    gemm, _ = op._HOST_GEMM, set_host_gemm(None)
+    gemm = op._HOST_GEMM
+    set_host_gemm(None)  # installed only inside this side's calls: the other atom sides time atom's kernel
     print(f"[fp8_gemm] atom default: host GEMM {name} from {gemm.min_tokens if gemm else '-'} tokens", flush=True)
 
     def make(w, s):

@@ -202,13 +202,13 @@ MUTANTS = (
            ("tests/attention/test_mla_patch.py::test_prefill_backend_is_vllms_where_vllm_has_one",)),
     # vLLM's DeepGEMM as the host GEMM: its hand-off size, and its JIT warm-up at the layer's warm-up
     Mutant("fp8-host-deepgemm-from-128", "atom/plugin/vllm/fp8_gemm.py",
-           "AUTO_MIN_TOKENS = {DEEPGEMM: 17, CUTLASS: 128}", "AUTO_MIN_TOKENS = {DEEPGEMM: 128, CUTLASS: 128}",
+           "Kernel(DEEPGEMM, deepgemm_block_gemm, 17,", "Kernel(DEEPGEMM, deepgemm_block_gemm, 128,",
            ("tests/plugin/test_fp8_host_gemm.py",)),
     Mutant("fp8-host-gemm-warm-up-skipped", "atom/ops/fp8_gemm.py",
            "if host is not None and host.warm_up is not None:", "if False:",
            ("tests/ops/test_fp8_gemm.py::test_host_gemm_warm_up_runs_with_the_layers_warm_up",)),
     Mutant("fp8-host-auto-cutlass-first", "atom/plugin/vllm/fp8_gemm.py",
-           'kinds = ("deepgemm", "cutlass") if choice == "auto"', 'kinds = ("cutlass", "deepgemm") if choice == "auto"',
+           'KERNELS.values() if choice == "auto"', 'reversed(KERNELS.values()) if choice == "auto"',
            ("tests/plugin/test_fp8_host_gemm.py",)),
 )
 

@@ -27,10 +27,11 @@ def _cut(*a, **k):
 def kernels(monkeypatch):
     """Fake factories: ``available`` says which kernels 'run here'."""
     available = set()
-    monkeypatch.setattr(host, "_KERNELS", {
-        "deepgemm": (host.DEEPGEMM, lambda: _dg if "deepgemm" in available else None),
-        "cutlass": (host.CUTLASS, lambda: _cut if "cutlass" in available else None),
-    })
+    fakes = {"deepgemm": _dg, "cutlass": _cut}
+    # the real table (names, order, auto batch sizes, warm-ups) with factories that say what runs
+    monkeypatch.setattr(host, "KERNELS", {
+        kind: k._replace(factory=lambda kind=kind: fakes[kind] if kind in available else None)
+        for kind, k in host.KERNELS.items()})
     for name in ("ATOM_FP8_HOST_GEMM", "ATOM_FP8_HOST_GEMM_MIN_TOKENS"):
         monkeypatch.delenv(name, raising=False)
     host.install.cache_clear()

@@ -27,7 +27,7 @@ process, when vLLM's loader reaches the first atom fp8 layer.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from atom import envs
 from atom._logging import get_logger, info_once, warn_once
@@ -38,16 +38,31 @@ logger = get_logger("atom.plugin")
 
 CUTLASS = "vLLM CUTLASS cutlass_scaled_mm (block fp8)"
 DEEPGEMM = "vLLM DeepGEMM fp8_gemm_nt (block fp8)"
-#: ATOM_FP8_HOST_GEMM_MIN_TOKENS=auto: from how many tokens per step each kernel serves
-#: (bench/fp8_gemm.py on the H100: DeepGEMM at or below atom's W8A8 time from 8 tokens, where
-#: atom's producers start writing fp8 activations at 17; CUTLASS from about 128).
-AUTO_MIN_TOKENS = {DEEPGEMM: 17, CUTLASS: 128}
 
 
 def _nvidia_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available() and not getattr(torch.version, "hip", None)
+
+
+def _block_gemm(accepts: Callable[..., bool], quantise: Callable[..., Any],
+                matmul: Callable[..., Any]) -> Callable[..., Any]:
+    """A :class:`HostGemm` function: 128 x 128 blocks and a contiguous ``x`` that ``accepts(n, k,
+    dtype)``; the activation's 1 x 128 quantisation from its producer (``x_fp8``) or
+    ``quantise(x)``, both laid out by ``quantise`` for the kernel; ``matmul(xq, xs, weight,
+    weight_scale, out_dtype)``; the bias added after. None (atom's kernel) for anything else."""
+
+    def gemm(x: Any, weight: Any, weight_scale: Any, block: Any, bias: Any,
+             x_fp8: Any = None, x_fp8_scale: Any = None) -> Any:
+        n, k = weight.shape
+        if tuple(int(b) for b in block) != (128, 128) or not x.is_contiguous() or not accepts(n, k, x.dtype):
+            return None
+        xq, xs = quantise(x, x_fp8, x_fp8_scale)
+        y = matmul(xq, xs, weight, weight_scale, x.dtype)
+        return y if bias is None else y + bias
+
+    return gemm
 
 
 def cutlass_block_gemm() -> Optional[Callable[..., Any]]:
@@ -69,21 +84,14 @@ def cutlass_block_gemm() -> Optional[Callable[..., Any]]:
                           "fp8 GEMM serves every batch size", logger)
         return None
 
-    def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: Any,
-             bias: Optional[torch.Tensor], x_fp8: Optional[torch.Tensor] = None,
-             x_fp8_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        n, k = weight.shape
-        if (tuple(int(b) for b in block) != (128, 128) or n % 128 or k % 128
-                or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous()):
-            return None
+    def quantise(x, x_fp8, x_fp8_scale):
         if x_fp8 is not None:  # quantised by the kernel that produced x (atom.ops.fused_quant)
-            xq, xs = x_fp8, column_major(x_fp8_scale)
-        else:
-            xq, xs = per_token_group_quant_fp8(x, 128, column_major_scales=True)
-        y = vops.cutlass_scaled_mm(xq, weight.t(), out_dtype=x.dtype, scale_a=xs, scale_b=weight_scale.t())
-        return y if bias is None else y + bias
+            return x_fp8, column_major(x_fp8_scale)
+        return per_token_group_quant_fp8(x, 128, column_major_scales=True)
 
-    return gemm
+    return _block_gemm(
+        lambda n, k, dtype: not (n % 128 or k % 128) and dtype in (torch.bfloat16, torch.float16), quantise,
+        lambda xq, xs, w, ws, dtype: vops.cutlass_scaled_mm(xq, w.t(), out_dtype=dtype, scale_a=xs, scale_b=ws.t()))
 
 
 def deepgemm_block_gemm() -> Optional[Callable[..., Any]]:
@@ -111,23 +119,17 @@ def deepgemm_block_gemm() -> Optional[Callable[..., Any]]:
                                        "CUTLASS block-fp8 GEMM", logger)
         return None
 
-    def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: Any,
-             bias: Optional[torch.Tensor], x_fp8: Optional[torch.Tensor] = None,
-             x_fp8_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        n, k = weight.shape
-        if (tuple(int(b) for b in block) != (128, 128) or n % 64 or k % 128
-                or x.dtype != torch.bfloat16 or not x.is_contiguous()):
-            return None
+    def quantise(x, x_fp8, x_fp8_scale):
         if x_fp8 is not None:  # quantised by the kernel that produced x (atom.ops.fused_quant)
-            xq, xs = x_fp8, dg.get_col_major_tma_aligned_tensor(x_fp8_scale.float())
-        else:
-            xq, xs = per_token_group_quant_fp8(x, 128, column_major_scales=True, tma_aligned_scales=True,
-                                               use_ue8m0=False)
-        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
-        dg.fp8_gemm_nt((xq, xs), (weight, weight_scale), out, is_deep_gemm_e8m0_used=False)
-        return out if bias is None else out + bias
+            return x_fp8, dg.get_col_major_tma_aligned_tensor(x_fp8_scale.float())
+        return per_token_group_quant_fp8(x, 128, column_major_scales=True, tma_aligned_scales=True, use_ue8m0=False)
 
-    return gemm
+    def matmul(xq, xs, w, ws, dtype):
+        out = torch.empty(xq.shape[0], w.shape[0], dtype=dtype, device=xq.device)
+        dg.fp8_gemm_nt((xq, xs), (w, ws), out, is_deep_gemm_e8m0_used=False)
+        return out
+
+    return _block_gemm(lambda n, k, dtype: not (n % 64 or k % 128) and dtype == torch.bfloat16, quantise, matmul)
 
 
 def deepgemm_warm_up_sizes(n: int, device: Any, min_tokens: int) -> list[int]:
@@ -179,8 +181,22 @@ def deepgemm_warm_up(gemm: Callable[..., Any], min_tokens: int) -> Callable[...,
     return warm_up
 
 
-#: kind -> (name, factory of the GEMM)
-_KERNELS = {"deepgemm": (DEEPGEMM, deepgemm_block_gemm), "cutlass": (CUTLASS, cutlass_block_gemm)}
+class Kernel(NamedTuple):
+    """One of vLLM's block-fp8 GEMMs atom can hand batches to."""
+
+    name: str
+    factory: Callable[[], Optional[Callable[..., Any]]]  #: the GEMM function, or None where it does not run
+    #: ATOM_FP8_HOST_GEMM_MIN_TOKENS=auto (bench/fp8_gemm.py on the H100: DeepGEMM at or below
+    #: atom's W8A8 time from 8 tokens, where atom's producers start writing fp8 activations at 17;
+    #: CUTLASS from about 128)
+    auto_min_tokens: int
+    #: (gemm, min_tokens) -> the HostGemm warm-up, for kernels that compile per shape just in time
+    warm_up: Optional[Callable[..., Callable[..., int]]] = None
+
+
+#: ATOM_FP8_HOST_GEMM -> the kernel (auto tries them in this order)
+KERNELS = {"deepgemm": Kernel(DEEPGEMM, deepgemm_block_gemm, 17, deepgemm_warm_up),
+           "cutlass": Kernel(CUTLASS, cutlass_block_gemm, 128)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,18 +208,16 @@ def install() -> Optional[str]:
                   logger)
         return None
     choice = envs.ATOM_FP8_HOST_GEMM
-    kinds = ("deepgemm", "cutlass") if choice == "auto" else (choice,)
-    for kind in kinds:
-        name, factory = _KERNELS[kind]
-        fn = factory()
+    for kernel in (KERNELS.values() if choice == "auto" else (KERNELS[choice],)):
+        fn = kernel.factory()
         if fn is not None:
             break
     else:
         return None
+    name = kernel.name
     if min_tokens is None:
-        min_tokens = AUTO_MIN_TOKENS[name]
-    warm = deepgemm_warm_up(fn, min_tokens) if name == DEEPGEMM else None
-    set_host_gemm(HostGemm(fn, min_tokens, name, warm))
+        min_tokens = kernel.auto_min_tokens
+    set_host_gemm(HostGemm(fn, min_tokens, name, kernel.warm_up and kernel.warm_up(fn, min_tokens)))
     info_once("fp8-host-gemm", f"block-fp8 linears: atom's Triton GEMM below {min_tokens} tokens per step, "
                                f"{name} from {min_tokens}", logger)
     return name

@@ -55,8 +55,8 @@ def serves(architectures: Any, model_config: Any) -> Decision:
         return Decision(False, f"--convert {convert}: atom's models serve text generation only")
     if (BY_ARCH[archs[0]].wrapper == DENSE_WRAPPER and block_fp8(model_config) and on_nvidia()
             and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):
-        return Decision(False, "a dense block-fp8 checkpoint on an NVIDIA GPU, where vLLM's own fp8 path "
-                               "measured faster at batch >= 64 (docs/performance.md); "
+        return Decision(False, "a dense block-fp8 checkpoint on an NVIDIA GPU, where atom's fp8 path measured "
+                               "no faster than vLLM's own (docs/performance.md); "
                                "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1 serves it with atom's model")
     return Decision(True, "text generation of an architecture atom implements")
 
