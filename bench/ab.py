@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,7 +46,8 @@ HERE = Path(__file__).resolve().parent
 THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 #: vLLM log lines that say which kernels a side runs (attention, MoE, linear methods).
 KERNEL_LINE = re.compile(r"Using \S+ (attention )?backend|Selected .* for |[Uu]sing .*(MoE|Experts|GEMM|[Kk]ernel)"
-                         r"|atom attention backend .* selected|atom attention not used")
+                         r"|atom attention backend .* selected|atom attention not used"
+                         r"|MLA decode rows .* on |block-fp8 linears: |kv cache block size")
 
 
 def parse_side(text: str) -> tuple[str, dict[str, str]]:
@@ -133,10 +135,46 @@ def weight_gib(log: str) -> Optional[float]:
     return float(found[-1]) if found else None
 
 
-def _stop(procs: dict) -> None:
+def _gpu_used_mib() -> Optional[int]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return int(out[0]) if out else None
+    except (FileNotFoundError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the side and its engine-core process (its own session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(procs: dict, gpu_floor_mib: Optional[int] = None, timeout: float = 180.0) -> None:
+    """Stop every side and wait until it is gone. Closing its stdin ends the worker, which shuts
+    its engine down; a side still running after 60 s gets SIGTERM, then SIGKILL, sent to its whole
+    process group (a killed driver would leave its engine-core process holding the GPU). Then,
+    given the GPU memory in use before the launch (``gpu_floor_mib``), wait until the engines'
+    memory is back within 2 GiB of it: the next launch needs it."""
     for proc in procs.values():
         proc.stdin.close()
-        proc.terminate()
+    deadline = time.time() + timeout
+    for proc in procs.values():
+        for sig, wait in ((None, 60.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 30.0)):
+            if sig is not None:
+                _signal_group(proc, sig)
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        _signal_group(proc, signal.SIGKILL)  # what the side left behind in its group
+    while gpu_floor_mib is not None and time.time() < deadline:
+        used = _gpu_used_mib()
+        if used is None or used <= gpu_floor_mib + 2048:
+            return
+        time.sleep(2)
 
 
 def main(argv: list[str]) -> int:
@@ -182,6 +220,7 @@ def main(argv: list[str]) -> int:
     for launch in range(args.launches):
         # each launch: fresh engines (their start-up is part of the spread being measured), then
         # the interleaved rounds; the sides start in turn, as in every launch
+        gpu_floor = _gpu_used_mib()
         procs, facts, logs = _start(sides, spec, logdir, f".launch{launch + 1}" if args.launches > 1 else "")
         launch_facts.append(facts)
         for name in order:
@@ -209,7 +248,7 @@ def main(argv: list[str]) -> int:
                               f"{res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
         finally:
             clocks.stop()
-            _stop(procs)
+            _stop(procs, gpu_floor)
     facts = {name: {**launch_facts[-1][name],
                     "ready_s_per_launch": [f[name]["ready_s"] for f in launch_facts]} for name in order}
     for conc in concs:
@@ -233,6 +272,7 @@ def _start(sides: list, spec: dict, logdir: Path, suffix: str) -> tuple[dict, di
         t_side = time.time()
         procs[name] = proc = subprocess.Popen([sys.executable, str(HERE / "ab_worker.py"), json.dumps(spec)],
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                              start_new_session=True,  # its process group: _stop
                                               stderr=logs[name].open("w"),
                                               # vLLM's log (kernel choices, weight memory) into the side's log file
                                               env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **env})
