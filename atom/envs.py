@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["EnvError", "EnvVar", "VARIABLES", "get", "is_set", "set_values", "OPS_BACKENDS",
-           "COMPILE_ELEMENTWISE", "FP8_HOST_GEMMS"]
+           "COMPILE_ELEMENTWISE", "FP8_HOST_GEMMS", "MLA_HOST_DECODES"]
 
 
 class EnvError(ValueError):
@@ -35,6 +35,9 @@ _FALSE = ("0", "false", "no", "off")
 
 #: vLLM's block-fp8 GEMMs atom's linears can hand larger batches to (see ATOM_FP8_HOST_GEMM).
 FP8_HOST_GEMMS = ("auto", "deepgemm", "cutlass")
+
+#: Decode kernels atom's MLA backend can run its decode rows on (see ATOM_MLA_HOST_DECODE).
+MLA_HOST_DECODES = ("auto", "flashmla", "atom")
 
 #: Kernel backends an op can be forced onto (see ATOM_OPS_BACKEND).
 OPS_BACKENDS = ("auto", "aiter", "triton", "torch")
@@ -298,6 +301,16 @@ VARIABLES: dict[str, EnvVar] = {
             "Tokens of cached context atom's MLA backend up-projects at a time for prefill/extend "
             "rows (its bounded workspace); 0 = sized from vLLM's config (see docs/attention.md).",
             _parse_nonneg_int, "an integer >= 0",
+        ),
+        EnvVar(
+            "ATOM_MLA_HOST_DECODE", "choice", "auto",
+            "MLA decode rows under vLLM on NVIDIA GPUs: `flashmla` = vLLM's FlashMLA dense decode "
+            "(`flash_mla_with_kvcache`) for DeepSeek's latent geometry (kv_lora_rank 512, rope 64) in "
+            "a bf16/fp16 cache of 64-token pages, atom's Triton kernel for anything else; `atom` = "
+            "atom's Triton kernel always; `auto` = `flashmla` where vLLM says FlashMLA runs (Hopper). "
+            "Where FlashMLA is used, atom's MLA backend asks vLLM for 64-token pages unless "
+            "--block-size is given.",
+            _choice(*MLA_HOST_DECODES), ", ".join(MLA_HOST_DECODES),
         ),
         EnvVar(
             "ATOM_MLA_DECODE_TILE", "str", "auto",

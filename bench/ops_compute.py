@@ -378,6 +378,13 @@ class Bench:
                            bound="memory")
                 self.run_case(frow, lambda: mla_decode.run("triton", *args, max_seq_len=ctx, out=out),
                               None, self._vllm_flashmla(qn, qp, ctx, scale))
+                # atom's decode rows as served on Hopper (ATOM_MLA_HOST_DECODE=auto): FlashMLA
+                # offered by atom's vLLM plugin, on 64-token pages, q_pe copied into its query
+                hosted = self._atom_flashmla(qn, qp, ctx, scale) if self.vllm_ok else None
+                if hosted is not None:
+                    hrow = Row("mla", f"b={batch} ctx={ctx} atom->FlashMLA", bytes=row.bytes, flops=row.flops,
+                               bound="memory")
+                    self.run_case(hrow, *hosted, self._vllm_flashmla(qn, qp, ctx, scale))
             del cache
 
     def _vllm_mla(self, qn, qp, cache, table, sl, ctx, scale):
@@ -409,6 +416,33 @@ class Bench:
                                                     scale, page, **extra)
             return lambda: decode_attention_fwd(q, kv, v, o, table, sl, logits, splits, scale, page)
         return make
+
+    def _atom_flashmla(self, qn, qp, ctx, scale):
+        """(atom's hosted decode, the torch reference on the same 64-token-page cache), or None
+        where atom's plugin offers no host decode here. The scheduling state is reused across
+        calls, as in the FlashMLA row (a served step shares one across its layers)."""
+        from atom.ops.mla import mla_decode
+        from atom.plugin.vllm.mla_decode import flashmla_decode
+
+        host = flashmla_decode()
+        if host is None:
+            return None
+        torch = self.torch
+        batch, heads, rank = qn.shape
+        rope, page = qp.shape[-1], host.page_size
+        blocks = -(-ctx // page)
+        cache = torch.randn(batch * blocks, page, rank + rope, device=qn.device, dtype=qn.dtype)
+        table = torch.randperm(batch * blocks, device=qn.device).view(batch, blocks).int()
+        seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=qn.device)
+        q = torch.empty(batch, heads, rank + rope, device=qn.device, dtype=qn.dtype)
+        q[..., :rank].copy_(qn)  # served: the W_UK bmm writes here
+        state = host.new_step()
+
+        def hosted():
+            q[..., rank:].copy_(qp)
+            return host.run(q, cache, table, seqlens, scale, state)
+
+        return hosted, lambda: mla_decode.run("torch", qn, qp, cache, table, seqlens, scale)
 
     def _vllm_flashmla(self, qn, qp, ctx, scale):
         def make():

@@ -38,6 +38,7 @@ class Mutant:
 
 OPS = "tests/ops/test_numerical_details.py"
 DSV3_FP8 = "tests/models/test_deepseek_v3_fp8.py"
+MLA_HOST = "tests/attention/test_mla_host_decode.py"
 FP8_GEMM = "tests/ops/test_fp8_gemm.py"
 
 MUTANTS = (
@@ -210,6 +211,18 @@ MUTANTS = (
     Mutant("fp8-host-auto-cutlass-first", "atom/plugin/vllm/fp8_gemm.py",
            'KERNELS.values() if choice == "auto"', 'reversed(KERNELS.values()) if choice == "auto"',
            ("tests/plugin/test_fp8_host_gemm.py",)),
+    Mutant("mla-host-decode-q-pe-not-copied", "atom/models/attention/mla.py",
+           "q_lat[..., rank:].copy_(q_pe)", "q_lat[..., rank:].zero_()", (MLA_HOST,)),
+    Mutant("mla-host-decode-state-per-layer", "atom/models/attention/mla.py",
+           "                                  md.host_decode_state)", "                                  self.host_decode.new_step())",
+           (MLA_HOST,)),
+    Mutant("mla-host-decode-any-page-size", "atom/models/attention/mla.py",
+           "or cache.shape[1] != host.page_size:", ":", (MLA_HOST,)),
+    Mutant("mla-host-decode-triton-warm-up-kept", "atom/models/attention/mla.py",
+           "if self.host_decode is None or self.host_decode.page_size != self._block_size:", "if True:",
+           (MLA_HOST,)),
+    Mutant("mla-flashmla-pages-without-flashmla", "atom/plugin/vllm/mla_decode.py",
+           "if model_config is None or install() is None:", "if model_config is None:", (MLA_HOST,)),
 )
 
 

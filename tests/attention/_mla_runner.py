@@ -75,7 +75,8 @@ def install_step_check(stats: dict[str, Any]) -> None:
             kv = (rows[:, : self.kv_lora_rank] @ w.t()).view(total, heads, nope + vdim)
             k = torch.cat([kv[..., :nope], rows[:, None, self.kv_lora_rank:].expand(total, heads, rope)], -1)
             scores = torch.einsum("qhd,khd->hqk", q[s:e].float().view(n, heads, -1), k) * self.scale
-            mask = torch.arange(total)[None, :] > (total - n + torch.arange(n))[:, None]
+            dev = scores.device
+            mask = torch.arange(total, device=dev)[None, :] > (total - n + torch.arange(n, device=dev))[:, None]
             probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
             ref = torch.einsum("hqk,khd->qhd", probs, kv[..., nope:]).reshape(n, -1)
             stats["max_diff"] = max(stats["max_diff"], float((output[s:e].float() - ref).abs().max()))
@@ -137,6 +138,7 @@ def run(model_dir: str, prompts: list, engine_kwargs: dict[str, Any] | None = No
         sched = llm.llm_engine.vllm_config.scheduler_config
         out["chunked_prefill"] = bool(sched.enable_chunked_prefill)
         out["prefix_caching"] = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+        out["block_size"] = int(llm.llm_engine.vllm_config.cache_config.block_size)
         return out
     finally:
         del llm

@@ -64,11 +64,12 @@ def test_every_decorator_is_covered_and_targets_atoms_own_layer():
         # the vLLM class is atom's layer plus vLLM's base, and writes no injected member itself
         assert issubclass(vllm_cls, layer) and issubclass(vllm_cls, base)
         assert not set(record.members) & set(vars(vllm_cls)), record.id
-    # MLA: the shared members plus is_mla; its overrides stay inside the shared member list
+    # MLA: the shared members plus is_mla and its page-size preference (FlashMLA's 64); its
+    # overrides stay inside the shared member list
     backend_members = REGISTRY.get("vllm.attention.mha_backend").members
-    assert REGISTRY.get("vllm.attention.mla_backend").members == backend_members + ("is_mla",)
+    assert REGISTRY.get("vllm.attention.mla_backend").members == backend_members + ("is_mla", "get_preferred_block_size")
     assert set(vars(attention.VLLMMLABackendMethods)) & _source_members(attention.VLLMMLABackendMethods) \
-        == {"is_mla", "supports_head_size", "supported_kv_cache_layouts"}
+        == {"is_mla", "get_preferred_block_size", "supports_head_size", "supported_kv_cache_layouts"}
 
 
 @pytest.mark.parametrize("record", DECORATORS, ids=lambda r: r.id)

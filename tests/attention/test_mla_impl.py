@@ -490,15 +490,36 @@ def _gpu_setup(vllm_config, steps, block=64, num_blocks=64):
     return impl, proj, cache, builder, common, c_kv, k_pe
 
 
+@pytest.fixture(params=["atom", "flashmla"])
+def gpu_decode(request, monkeypatch):
+    """The decode kernel of the GPU tests: atom's Triton kernel, or vLLM's FlashMLA (must be
+    offered on a Hopper GPU: these are DeepSeek's latent sizes in 64-token pages)."""
+    from atom.models.attention.mla import set_host_decode
+    from atom.plugin.vllm import mla_decode
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    if request.param == "flashmla" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("vLLM's FlashMLA dense decode runs on Hopper")
+    monkeypatch.setenv("ATOM_MLA_HOST_DECODE", request.param)
+    mla_decode.install.cache_clear()
+    assert mla_decode.install() == (mla_decode.FLASHMLA if request.param == "flashmla" else None)
+    yield request.param
+    mla_decode.install.cache_clear()
+    set_host_decode(None)
+
+
 @pytest.mark.gpu
-def test_gpu_triton_impl_at_deepseek_sizes_bf16(vllm_config, plugin_mode):
+def test_gpu_triton_impl_at_deepseek_sizes_bf16(vllm_config, plugin_mode, gpu_decode):
     """Mixed step (decodes, an extend over 700 cached tokens, a prefill) through atom's Triton
-    kernels vs dense fp32 MLA; every op must have run its Triton implementation."""
+    kernels vs dense fp32 MLA; every op must have run its Triton implementation, the decode rows
+    on atom's kernel or on vLLM's FlashMLA (``gpu_decode``)."""
     import atom.ops as ops
 
     assert all(ops.OPS[n].backend_on("cuda")[0] == "triton" for n in ("mla_decode", "mla_write_latent_cache", "paged_attention"))
     steps = [(1000, 1), (37, 1), (700, 64), (0, 200)]
     impl, proj, cache, builder, common, c_kv, k_pe = _gpu_setup(vllm_config, steps)
+    assert (impl.host_decode is not None) == (gpu_decode == "flashmla")
     md = builder.build(0, common)
     n = common.num_actual_tokens
     q = torch.randn(n, G_HEADS, G_NOPE + G_ROPE, device="cuda", dtype=torch.bfloat16)
@@ -512,21 +533,27 @@ def test_gpu_triton_impl_at_deepseek_sizes_bf16(vllm_config, plugin_mode):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_replays_in_a_cuda_graph(vllm_config, plugin_mode):
+def test_gpu_decode_replays_in_a_cuda_graph(vllm_config, plugin_mode, gpu_decode):
     """build_for_cudagraph_capture + capture of the decode forward, then replay after the
-    context lengths grew (written into vLLM's seq_lens buffer in place): no host reads, and the
-    split count fixed at capture still covers the longer contexts."""
+    context lengths changed (written into vLLM's seq_lens buffer in place): no host reads, and the
+    split count fixed at capture (atom's kernel) or FlashMLA's tile schedule computed inside the
+    graph still covers the other lengths."""
     steps = [(300, 1), (5, 1), (1500, 1), (64, 1)]
     impl, proj, cache, builder, common, c_kv, k_pe = _gpu_setup(vllm_config, steps, num_blocks=160)
-    md = builder.build_for_cudagraph_capture(common)
+    assert (impl.host_decode is not None) == (gpu_decode == "flashmla")
     q = torch.randn(4, G_HEADS, G_NOPE + G_ROPE, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(4, G_HEADS * G_V, device="cuda", dtype=torch.bfloat16)
-    impl.forward(None, q, None, None, cache, md, out)  # warm up (Triton compile) outside capture
+    # warm up (Triton compile) outside capture; the capture gets metadata of its own, as vLLM
+    # builds it for each capture
+    impl.forward(None, q, None, None, cache, builder.build_for_cudagraph_capture(common), out)
+    md = builder.build_for_cudagraph_capture(common)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         impl.forward(None, q, None, None, cache, md, out)
-    for shrink in (0, 3):  # replay at the captured lengths, then with shorter contexts
-        lens = [c + 1 - (shrink if c + 1 > shrink else 0) for c, _ in steps]
+    # replay at the captured lengths, then with shorter contexts, then about half of them (other
+    # tile schedules)
+    for lens in ([c + 1 for c, _ in steps], [c + 1 - (3 if c + 1 > 3 else 0) for c, _ in steps],
+                 [c // 2 + 1 for c, _ in steps]):
         common.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()

@@ -8,12 +8,16 @@ prefill and extend rows up-project latents through the layer's ``kv_b_proj`` and
 paged attention, the cached context in chunks of a bounded workspace
 (:func:`atom.ops.mla_prefill.mla_prefill`). A host binds these classes to its MLA interface:
 vLLM through ``atom.plugin.vllm.attention_mla``.
+
+A host may also offer a decode kernel of its own (:class:`HostDecode`, :func:`set_host_decode`;
+vLLM's plugin offers FlashMLA on Hopper): layers whose geometry, dtype and cache page size it
+takes run their decode rows on it, everything else on atom's kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 import torch
 
@@ -27,6 +31,44 @@ MAX_KV_LORA_RANK = 512
 #: Cap of the automatic context chunk: 16k tokens up-project to ~2.45 GB for DeepSeek-V3
 #: (128 heads x (128 + 64 + 128) + kv_b_proj's 128 x 256 values per token, bf16).
 MAX_CONTEXT_CHUNK_TOKENS = 16 * 1024
+
+
+class HostDecode(NamedTuple):
+    """A decode kernel the host framework ships (vLLM: FlashMLA), offered by its plugin
+    (:func:`set_host_decode`).
+
+    * ``declines(num_heads, kv_lora_rank, rope_dim, dtype, kv_cache_dtype)``: why it cannot serve
+      a layer of this shape (None: it can); asked once per layer, when its weights are absorbed.
+    * ``page_size``: the only cache page size it reads; a step whose cache has another page size
+      runs atom's kernel.
+    * ``new_step()``: the per-step state the kernel's launches share (FlashMLA: its tile
+      scheduler, computed by the step's first layer and reused by the others); made by the
+      metadata builder for each built step, never reused across steps or graph captures.
+    * ``run(q, cache, block_table, seq_lens, scale, state)``: ``q [Td, H, rank + rope]``
+      (``[q_nope @ W_UK | q_pe]``, contiguous), ``cache [blocks, page_size, rank + rope]``,
+      ``block_table [Td, max_blocks]`` int32, ``seq_lens [Td]`` int32 -> the latent output
+      ``[Td, H, rank]``."""
+
+    name: str
+    declines: Callable[[int, int, int, torch.dtype, str], Optional[str]]
+    page_size: int
+    new_step: Callable[[], Any]
+    run: Callable[..., torch.Tensor]
+
+
+_HOST_DECODE: Optional[HostDecode] = None
+
+
+def set_host_decode(decode: Optional[HostDecode]) -> None:
+    """Offer (or, with None, withdraw) the host's MLA decode kernel. Layers decide at
+    :meth:`MLAttentionImpl.absorb`; builders make its per-step state from the next build."""
+    global _HOST_DECODE
+    _HOST_DECODE = decode
+
+
+def host_decode() -> Optional[HostDecode]:
+    """The host's MLA decode kernel, or None (atom's kernel serves every decode row)."""
+    return _HOST_DECODE
 
 
 def mla_geometry_reasons(kv_lora_rank: int, qk_rope_head_dim: int) -> list[str]:
@@ -83,6 +125,9 @@ class MLAMetadata:
     #: host upper bound of the cached context of the extend rows (0: no extend row); sizes the
     #: number of context chunks the prefill path walks
     max_context_len: int = 0
+    #: the host decode kernel's state for this step (:attr:`HostDecode.new_step`), shared by the
+    #: step's layers; None without a host decode kernel or decode rows
+    host_decode_state: Any = None
 
 
 class MLABackend:
@@ -128,6 +173,7 @@ class MLAMetadataBuilder:
         max_seq_len = int(b.max_seq_len)
         if for_capture:
             max_seq_len = max(max_seq_len, self.max_model_len)
+        host = _HOST_DECODE
         return MLAMetadata(
             num_actual_tokens=b.num_actual_tokens,
             num_reqs=b.num_reqs,
@@ -144,6 +190,7 @@ class MLAMetadataBuilder:
             num_prefill_tokens=num_rest_tokens,
             prefill_query_start_loc=prefill_qsl,
             max_context_len=_max_context_len(b, num_decodes) if num_extends else 0,
+            host_decode_state=host.new_step() if host is not None and num_decodes else None,
         )
 
 
@@ -222,6 +269,10 @@ class MLAttentionImpl:
         self.W_UK_T: Optional[torch.Tensor] = None
         self.W_UV: Optional[torch.Tensor] = None
         self._identity_rope: Optional[torch.Tensor] = None
+        #: the host decode kernel this layer's decode rows run on (chosen at absorb), or None
+        self.host_decode: Optional[HostDecode] = None
+        #: why the host decode kernel declined this layer (None: it serves it, or there is none)
+        self.host_decode_declined: Optional[str] = None
 
     def workspace_bytes(self, dtype: torch.dtype) -> int:
         """What the prefill path holds at once at most (0 without the host's token budget)."""
@@ -245,7 +296,18 @@ class MLAttentionImpl:
         a GPU (:meth:`warm_up_kernels`)."""
         self.W_UK_T = w_uk.permute(1, 2, 0).contiguous()
         self.W_UV = w_uv.transpose(0, 1).contiguous()
+        self.choose_host_decode(act_dtype)
         self.warm_up_kernels(act_dtype)
+
+    def choose_host_decode(self, act_dtype: torch.dtype) -> Optional[HostDecode]:
+        """The host's decode kernel for this layer where it takes the layer's shape and dtype
+        (:attr:`host_decode`), else None and the reason in :attr:`host_decode_declined`."""
+        host = _HOST_DECODE
+        why = None if host is None else host.declines(self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim,
+                                                       act_dtype, self.kv_cache_dtype)
+        self.host_decode = host if host is not None and why is None else None
+        self.host_decode_declined = why
+        return self.host_decode
 
     def write_latent(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
@@ -277,6 +339,12 @@ class MLAttentionImpl:
         return mla_decode(ql_nope, q_pe, cache, md.block_table[:nd], md.seq_lens[:nd], self.scale,
                           max_seq_len=md.max_seq_len)
 
+    def _host_decode_for(self, cache: torch.Tensor, md: MLAMetadata) -> Optional[HostDecode]:
+        host = self.host_decode
+        if host is None or md.host_decode_state is None or cache.shape[1] != host.page_size:
+            return None
+        return host
+
     def prefill(self, q: torch.Tensor, cache: torch.Tensor, md: MLAMetadata, output: torch.Tensor) -> None:
         """Prefill and extend rows (``q [Tp, H, qk_head_dim]``, ``output [Tp, H * v_head_dim]``),
         their new latents already in the cache (:func:`atom.ops.mla_prefill.mla_prefill`)."""
@@ -300,10 +368,19 @@ class MLAttentionImpl:
             self.prefill(q[nd:], cache, md, out[nd:].view(n - nd, heads * self.v_head_dim))
         if nd:
             q_nope, q_pe = q[:nd].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-            # [Td, H, P] x [H, P, L] -> [Td, H, L], written token-major (unit-stride last dim).
-            ql_nope = q_nope.new_empty(nd, heads, self.kv_lora_rank)
+            rank = self.kv_lora_rank
+            host = self._host_decode_for(cache, md)
+            # [Td, H, P] x [H, P, L] -> [Td, H, L], written token-major (unit-stride last dim);
+            # for a host kernel straight into its [q_nope @ W_UK | q_pe] query rows.
+            q_lat = q_nope.new_empty(nd, heads, rank + (self.qk_rope_head_dim if host is not None else 0))
+            ql_nope = q_lat[..., :rank]
             torch.bmm(q_nope.transpose(0, 1), self.W_UK_T, out=ql_nope.transpose(0, 1))
-            latent = self.decode(ql_nope, q_pe, cache, md)
+            if host is not None:
+                q_lat[..., rank:].copy_(q_pe)
+                latent = host.run(q_lat, cache, md.block_table[:nd], md.seq_lens[:nd], self.scale,
+                                  md.host_decode_state)
+            else:
+                latent = self.decode(ql_nope, q_pe, cache, md)
             # [H, Td, L] x [H, L, V] -> [H, Td, V], into the token-major output.
             torch.bmm(latent.transpose(0, 1), self.W_UV, out=out[:nd].transpose(0, 1))
         return output
@@ -318,7 +395,8 @@ class MLAttentionImpl:
     def warm_up_kernels(self, act_dtype: torch.dtype, *, force: bool = False) -> int:
         """Compile the MLA kernels' variants now, at load, rather than in the first served batch
         that needs each (the H100 MLA table timed a 1.45 s one-off TTFT without it): the
-        absorbed decode with every split-reduce bucket (:func:`atom.ops.warm_up_mla_decode`),
+        absorbed decode with every split-reduce bucket (:func:`atom.ops.warm_up_mla_decode`;
+        not where the host's decode kernel serves the layer at its page size),
         and the two prefill launches of :func:`atom.ops.mla_prefill.mla_prefill`, both storing
         LSEs: new tokens over themselves (causal, one-token pages) and a context chunk (16-token
         pages), on keys and values up-projected the served way. Once per process and layer
@@ -330,7 +408,11 @@ class MLAttentionImpl:
         if device.type != "cuda" and not force:
             return 0
         heads, rank, rope = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
-        launches = warm_up_mla_decode(heads, rank, rope, act_dtype, self._block_size, device, force=force)
+        launches = 0
+        if self.host_decode is None or self.host_decode.page_size != self._block_size:
+            # atom's decode kernel serves this layer's decode rows (a host kernel's own
+            # variants are the host's business)
+            launches = warm_up_mla_decode(heads, rank, rope, act_dtype, self._block_size, device, force=force)
         width = max(self.qk_nope_head_dim + rope, self.v_head_dim)
         key = ("mla_prefill", heads, rank, rope, self.qk_nope_head_dim, self.v_head_dim, act_dtype, str(device))
         if not paged_attention.claim_warm_up(key, device.type, force):

@@ -25,8 +25,11 @@ from typing import Any, Optional
 
 import torch
 
+from atom._logging import get_logger, info_once
 from atom.plugin.vllm import compat
 from vllm.v1.attention.backend import AttentionType, MultipleOf
+
+logger = get_logger("atom.plugin")
 
 # Every AttentionSelectorConfig field either release passes to validate_configuration
 # (0.26: through use_pcp; 0.29+ adds use_adaptive_verification, use_dcp, use_rswa).
@@ -176,6 +179,15 @@ class VLLMMLABackendMethods(VLLMBackendMethods):
         return not mla_geometry_reasons(head_size - ROPE_DIM, ROPE_DIM)
 
     @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """64 where vLLM's FlashMLA serves atom's decode rows (its only page size,
+        ``atom.plugin.vllm.mla_decode``), else vLLM's default. vLLM asks after the model is
+        built, under its config, unless ``--block-size`` was given."""
+        from atom.plugin.vllm import mla_decode
+
+        return mla_decode.preferred_block_size(default_block_size)
+
+    @classmethod
     def supported_kv_cache_layouts(cls) -> Any:
         """None (any layout, no preference), as vLLM's base answers: from 0.29 vLLM allocates
         the latent cache ``[B, 1, N, C]`` itself and ``MLAAttention`` squeezes the head axis;
@@ -290,6 +302,13 @@ class MLAImplMethods:
         w_uk, w_uv = compat.split_kv_b_proj(self.kv_b_proj, act_dtype, self.kv_lora_rank, self.num_heads,
                                             self.qk_nope_head_dim, self.v_head_dim)
         self.absorb(w_uk, w_uv, act_dtype)
+        if self.host_decode is not None:
+            info_once("mla-decode-choice", f"MLA decode rows ({self.num_heads} heads, kv_lora_rank {self.kv_lora_rank}) "
+                                           f"on {self.host_decode.name} in {self.host_decode.page_size}-token pages",
+                      logger)
+        elif self.host_decode_declined is not None:
+            info_once("mla-decode-choice", f"MLA decode rows on atom's Triton kernel: {self.host_decode_declined}",
+                      logger)
 
     def do_kv_cache_update(
         self,

@@ -40,7 +40,7 @@ import torch
 from atom import envs
 from atom.models.attention.common import graph_safe
 from atom.models.attention.mla import MLABackend, MLAMetadataBuilder, MLAttentionImpl, context_chunk_tokens
-from atom.plugin.vllm import compat
+from atom.plugin.vllm import compat, mla_decode
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -125,6 +125,10 @@ class ATOMMLAImpl(MLAttentionImpl, MLAAttentionImpl):
         config = compat.current_vllm_config()
         sched = None if config is None else config.scheduler_config
         block_size = compat.current_config_int("cache_config", "block_size") or 16  # vLLM's CUDA default
+        mla_decode.install()  # vLLM's FlashMLA for the decode rows where it runs (chosen at absorb)
+        if config is not None and not getattr(config.cache_config, "user_specified_block_size", True):
+            # the page size vLLM will pick once the model is built (it asks the backend then)
+            block_size = mla_decode.preferred_block_size(block_size, config.model_config)
         chunk = context_chunk_tokens(None if config is None else int(config.model_config.max_model_len),
                                      None if sched is None else int(sched.max_num_seqs), block_size,
                                      envs.ATOM_MLA_CONTEXT_CHUNK_TOKENS)

@@ -97,7 +97,9 @@ register(Injection(
 _MLA = "atom.models.attention.mla"
 
 _backend_decorator("mla", f"{_MLA}:MLABackend", "atom.plugin.vllm.attention:VLLMMLABackendMethods",
-                   extra_members=("is_mla",), extra_signatures=(("is_mla", "(cls)"),))
+                   extra_members=("is_mla", "get_preferred_block_size"),
+                   extra_signatures=(("is_mla", "(cls)"),
+                                     ("get_preferred_block_size", "(cls, default_block_size)")))
 _builder_decorator("mla", f"{_MLA}:MLAMetadataBuilder")
 register(Injection(
     id="vllm.attention.mla_impl", group="vllm.attention.mla", target=f"{_MLA}:MLAttentionImpl",
