@@ -63,6 +63,9 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run1_c64.json"},
     {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run2_c64.json"},
     {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run3_c64.json"},
+    # DeepSeek-V3 dims, bf16, 1024/1024, atom's decode rows on vLLM's FlashMLA (2026-11-24g)
+    {"path": "bench/results/h100_2026-11-24g/ab_mla-1024_c1.json"},
+    {"path": "bench/results/h100_2026-11-24g/ab_mla-1024_c64.json"},
 ]
 
 
