@@ -51,7 +51,10 @@ class _StandIn:
 
 
 @pytest.fixture
-def host():
+def host(monkeypatch):
+    # the vLLM impl offers vLLM's own decode kernel when built (install: none on this CPU, and
+    # it withdraws any other); the stand-in is offered instead
+    monkeypatch.setattr(mla_decode, "install", lambda: None)
     yield lambda **kw: _install(_StandIn(**kw))
     mla.set_host_decode(None)
 

@@ -69,7 +69,7 @@ def flashmla_decode() -> Optional[HostDecode]:
         return None
     sched_meta = getattr(fm, "FlashMLASchedMeta", None)
     if sched_meta is None or not isinstance(fm.get_mla_metadata()[0], sched_meta):
-        # vLLM <= 0.25's FlashMLA took precomputed (tile_scheduler_metadata, num_splits) tensors
+        # FlashMLA's older interface took precomputed (tile_scheduler_metadata, num_splits) tensors
         warn_once("mla-host-decode", "vLLM's FlashMLA has another scheduling interface than the one atom "
                                      "calls (FlashMLASchedMeta); atom's Triton MLA decode serves every "
                                      "decode row", logger)
