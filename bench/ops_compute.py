@@ -417,6 +417,16 @@ class Bench:
             return lambda: decode_attention_fwd(q, kv, v, o, table, sl, logits, splits, scale, page)
         return make
 
+    def _latent_pages(self, qn, qp, ctx, page):
+        """A random latent cache of ``ctx`` tokens per sequence in ``page``-token pages (pages in
+        random order): (cache ``[blocks, page, rank + rope]``, block table, sequence lengths)."""
+        torch = self.torch
+        batch, rank, rope = qn.shape[0], qn.shape[-1], qp.shape[-1]
+        blocks = -(-ctx // page)
+        cache = torch.randn(batch * blocks, page, rank + rope, device=qn.device, dtype=qn.dtype)
+        table = torch.randperm(batch * blocks, device=qn.device).view(batch, blocks).int()
+        return cache, table, torch.full((batch,), ctx, dtype=torch.int32, device=qn.device)
+
     def _atom_flashmla(self, qn, qp, ctx, scale):
         """(atom's hosted decode, the torch reference on the same 64-token-page cache), or None
         where atom's plugin offers no host decode here. The scheduling state is reused across
@@ -427,14 +437,10 @@ class Bench:
         host = flashmla_decode()
         if host is None:
             return None
-        torch = self.torch
         batch, heads, rank = qn.shape
-        rope, page = qp.shape[-1], host.page_size
-        blocks = -(-ctx // page)
-        cache = torch.randn(batch * blocks, page, rank + rope, device=qn.device, dtype=qn.dtype)
-        table = torch.randperm(batch * blocks, device=qn.device).view(batch, blocks).int()
-        seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=qn.device)
-        q = torch.empty(batch, heads, rank + rope, device=qn.device, dtype=qn.dtype)
+        rope = qp.shape[-1]
+        cache, table, seqlens = self._latent_pages(qn, qp, ctx, host.page_size)
+        q = self.torch.empty(batch, heads, rank + rope, device=qn.device, dtype=qn.dtype)
         q[..., :rank].copy_(qn)  # served: the W_UK bmm writes here
         state = host.new_step()
 
@@ -453,12 +459,9 @@ class Bench:
             ok, why = is_flashmla_dense_supported()
             if not ok:
                 raise RuntimeError(f"FlashMLA unavailable: {why}")
-            batch, heads, rank = qn.shape
-            page = 64
-            blocks = -(-ctx // page)
-            kv = torch.randn(batch * blocks, page, 1, rank + qp.shape[-1], device=qn.device, dtype=qn.dtype)
-            table = torch.randperm(batch * blocks, device=qn.device).view(batch, blocks).int()
-            seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=qn.device)
+            rank = qn.shape[-1]
+            cache, table, seqlens = self._latent_pages(qn, qp, ctx, 64)
+            kv = cache.unsqueeze(2)  # [blocks, 64, 1 head, rank + rope]
             q = torch.cat([qn, qp], -1).unsqueeze(1)  # [B, 1, H, rank + rope]
             meta, _ = get_mla_metadata()  # filled on the first call, reused as vLLM does
             return lambda: flash_mla_with_kvcache(q, kv, table, seqlens, rank, meta,

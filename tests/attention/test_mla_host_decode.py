@@ -199,16 +199,20 @@ def fresh_install():
 
 def test_install_off_and_where_flashmla_does_not_run(fresh_install, monkeypatch, caplog):
     """``atom``: never offered. ``auto`` / ``flashmla`` on a machine where vLLM's FlashMLA does
-    not run (this CPU): not offered either, the decode rows stay on atom's kernel."""
+    not run (this CPU): not offered either, the decode rows stay on atom's kernel; the explicit
+    ``flashmla`` says so in a warning."""
     monkeypatch.setenv("ATOM_MLA_HOST_DECODE", "atom")
     assert mla_decode.install() is None and mla.host_decode() is None
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: whether FlashMLA runs is vLLM's answer (the GPU tests' gpu_decode fixture)")
     for choice in ("auto", "flashmla"):
         mla_decode.install.cache_clear()
         monkeypatch.setenv("ATOM_MLA_HOST_DECODE", choice)
-        if torch.cuda.is_available():
-            pytest.skip("a GPU: whether FlashMLA runs is vLLM's answer (GPU tests)")
         assert mla_decode.flashmla_decode() is None
-        assert mla_decode.install() is None and mla.host_decode() is None
+        with caplog.at_level("WARNING", logger="atom.plugin"):
+            assert mla_decode.install() is None and mla.host_decode() is None
+        asked = [r for r in caplog.records if "ATOM_MLA_HOST_DECODE=flashmla, but" in r.getMessage()]
+        assert len(asked) == (choice == "flashmla")
 
 
 def _model_config(rank=512, rope=64, dtype=torch.bfloat16):

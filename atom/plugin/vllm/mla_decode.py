@@ -88,10 +88,6 @@ def flashmla_decode() -> Optional[HostDecode]:
     return HostDecode(FLASHMLA, _declines, FLASHMLA_PAGE, new_step, run)
 
 
-#: ATOM_MLA_HOST_DECODE -> the factory (auto tries them in this order)
-KERNELS = {"flashmla": flashmla_decode}
-
-
 @functools.lru_cache(maxsize=None)
 def install() -> Optional[str]:
     """Offer vLLM's decode kernel to atom's MLA layers (once per process); returns its name, or
@@ -102,11 +98,12 @@ def install() -> Optional[str]:
         info_once("mla-host-decode", "ATOM_MLA_HOST_DECODE=atom: atom's Triton MLA decode serves every decode row",
                   logger)
         return None
-    for name in (KERNELS if choice == "auto" else (choice,)):
-        decode = KERNELS[name]()
-        if decode is not None:
-            break
-    else:
+    decode = flashmla_decode()  # auto and flashmla: the one kernel offered
+    if decode is None:
+        if choice == "flashmla":
+            warn_once("mla-host-decode-asked", "ATOM_MLA_HOST_DECODE=flashmla, but vLLM's FlashMLA does not "
+                                               "run here (no NVIDIA GPU, or the reason logged before); atom's "
+                                               "Triton MLA decode serves every decode row", logger)
         return None
     set_host_decode(decode)
     info_once("mla-host-decode", f"MLA decode rows: {decode.name} for kv_lora_rank {FLASHMLA_RANK} + rope "
