@@ -297,6 +297,15 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_auto_or_nonneg_int, "auto, or an integer >= 0",
         ),
         EnvVar(
+            "ATOM_MOE_GEMV_MAX_TOKENS", "auto or int", "auto",
+            "atom's fused MoE on GPUs: batches of at most this many tokens, with no more (token, "
+            "expert) pairs than experts, run the small-batch path (two weight-streaming GEMV "
+            "kernels, no expert-sort kernel) instead of the grouped GEMMs; 0 = never; auto = 4 "
+            "for bf16/fp16 experts, 2 for block-fp8 experts (where each measured faster on the "
+            "H100, docs/performance.md).",
+            _parse_auto_or_nonneg_int, "auto, or an integer >= 0",
+        ),
+        EnvVar(
             "ATOM_MLA_CONTEXT_CHUNK_TOKENS", "int", "0",
             "Tokens of cached context atom's MLA backend up-projects at a time for prefill/extend "
             "rows (its bounded workspace); 0 = sized from vLLM's config (see docs/attention.md).",

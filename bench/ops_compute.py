@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-OPS = ("decode", "prefill", "mla", "moe")
+OPS = ("decode", "prefill", "mla", "moe", "moe_fp8", "moe_tiles")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -470,36 +470,100 @@ class Bench:
 
     # -- MoE -------------------------------------------------------------------------------
 
-    def moe(self) -> None:
-        from atom.ops.moe import fused_moe
+    def _moe_case(self, t: int, fp8: bool):
+        """Qwen3-30B-A3B expert shapes (128 experts, top-8, hidden 2048, inter 768; tiny when dry):
+        (fused_moe args, keywords, Row fields) for a batch of ``t`` tokens."""
         from atom.ops.moe_routing import topk_softmax
 
         torch = self.torch
-        experts, top_k, hidden, inter = (16, 4, 64, 32) if self.dry else (128, 8, 2048, 768)
-        batches = [1, 8] if self.dry else [1, 2, 4, 8, 16, 32, 64, 128, 256, 4096]
-        el = torch.finfo(self.dtype).bits // 8
-        w13 = torch.randn(experts, 2 * inter, hidden, device=self.device, dtype=self.dtype) / hidden ** 0.5
-        w2 = torch.randn(experts, hidden, inter, device=self.device, dtype=self.dtype) / inter ** 0.5
-        for t in batches:
-            x = torch.randn(t, hidden, device=self.device, dtype=self.dtype)
-            logits = torch.randn(t, experts, device=self.device, dtype=torch.float32)
-            tw, ti = topk_softmax(logits, top_k, True)
-            used = int(torch.unique(ti).numel())
-            out = torch.empty_like(x)
-            row = Row("moe", f"T={t} E={experts} k={top_k}",
-                      bytes=(used * 3 * hidden * inter + 2 * t * hidden) * el,
+        experts, top_k, hidden, inter = (16, 4, 256, 128) if self.dry else (128, 8, 2048, 768)
+        key = (fp8,)
+        if getattr(self, "_moe_w", (None,))[0] != key:
+            g = torch.Generator(device=self.device).manual_seed(0)
+            w13 = torch.randn(experts, 2 * inter, hidden, device=self.device, generator=g) / hidden ** 0.5
+            w2 = torch.randn(experts, hidden, inter, device=self.device, generator=g) / inter ** 0.5
+            kw = {}
+            if fp8:
+                f8 = torch.float8_e4m3fn
+                s13 = w13.abs().view(experts, 2 * inter // 128, 128, hidden // 128, 128).amax((2, 4)) / 448
+                s2 = w2.abs().view(experts, hidden // 128, 128, inter // 128, 128).amax((2, 4)) / 448
+                q13 = (w13 / s13.repeat_interleave(128, 1).repeat_interleave(128, 2)).to(f8)
+                q2 = (w2 / s2.repeat_interleave(128, 1).repeat_interleave(128, 2)).to(f8)
+                w13, w2 = q13, q2
+                kw = dict(w13_scale=s13.float().contiguous(), w2_scale=s2.float().contiguous(), block_shape=[128, 128])
+            else:
+                w13, w2 = w13.to(self.dtype), w2.to(self.dtype)
+            self._moe_w = (key, w13, w2, kw)
+        _, w13, w2, kw = self._moe_w
+        x = torch.randn(t, hidden, device=self.device, dtype=self.dtype)
+        logits = torch.randn(t, experts, device=self.device, dtype=torch.float32)
+        tw, ti = topk_softmax(logits, top_k, True)
+        used = int(torch.unique(ti).numel())
+        el = 1 if fp8 else torch.finfo(self.dtype).bits // 8
+        fields = dict(bytes=(used * 3 * hidden * inter) * el + 2 * t * hidden * 2,
                       flops=6.0 * t * top_k * hidden * inter,
                       bound="memory" if t * top_k / experts < 64 else "compute")
-            args = (x, w13, w2, tw, ti)
-            self.run_case(row, lambda: fused_moe.run("triton", *args, out=out),
-                          lambda: fused_moe.run("torch", *args),
-                          self._vllm_moe(*args))
+        return (x, w13, w2, tw, ti), kw, fields, (experts, top_k)
 
-    def _vllm_moe(self, x, w13, w2, tw, ti):
+    def moe(self, fp8: bool = False) -> None:
+        """atom's default dispatch per batch size; for batches the small-batch (GEMV) path takes,
+        also atom's grouped path on the same batch (the before / after of that path)."""
+        from atom.ops.moe import fused_moe
+        from atom.ops.moe_triton import fused_moe_fwd, moe_config, takes_gemv
+
+        batches = [1, 8] if self.dry else [1, 2, 4, 8, 16, 32, 64, 128, 256, 4096]
+        name = "moe-fp8" if fp8 else "moe"
+        for t in batches:
+            args, kw, fields, (experts, top_k) = self._moe_case(t, fp8)
+            out = self.torch.empty_like(args[0])
+            gemv = takes_gemv(t, top_k, experts)
+            row = Row(name, f"T={t} E={experts} k={top_k}" + (" gemv" if gemv else ""), **fields)
+            self.run_case(row, lambda: fused_moe.run("triton", *args, out=out, **kw),
+                          lambda: fused_moe.run("torch", *args, **kw),
+                          self._vllm_moe(*args, **kw))
+            if gemv or t <= 16:
+                cfg = moe_config(t, top_k, experts, 128 if fp8 else None, self.dtype)
+                row = Row(name, f"T={t} E={experts} k={top_k} grouped", **fields)
+                self.run_case(row, lambda: fused_moe_fwd(*args, out=out, config=cfg, **kw),
+                              lambda: fused_moe.run("torch", *args, **kw))
+
+    def moe_fp8(self) -> None:
+        self.moe(fp8=True)
+
+    def moe_tiles(self) -> None:
+        """The small-batch path's tiles (GemvConfig) at T = 1..8, bf16 and fp8 experts."""
+        from atom.ops.moe_triton import GemvConfig, fused_moe_fwd
+
+        bf16_tiles = [GemvConfig(n1, n2, 128, g, w) for n1 in (8, 16, 32) for n2 in (16, 32, 64)
+                      for g in (1, 2, 4) for w in (4,)] + [GemvConfig(16, 32, 128, 2, 8), GemvConfig(32, 64, 128, 2, 8)]
+        fp8_tiles = [GemvConfig(n1, n2, 128, g, w) for n1 in (8, 16, 32) for n2 in (16, 32, 64)
+                     for g in (2, 4, 8) for w in (4,)] + [GemvConfig(16, 32, 128, 4, 8), GemvConfig(32, 64, 128, 4, 8)]
+        fused = [GemvConfig(n1, n2, 128, g, w, True) for n1 in (8, 16) for n2 in (4, 8, 16, 32)
+                 for g in (2, 4, 8) for w in (4, 8)]
+        bf16_tiles, fp8_tiles = bf16_tiles + fused, fp8_tiles + fused
+        if self.dry:
+            bf16_tiles, fp8_tiles = bf16_tiles[:2] + fused[:1], fp8_tiles[:2] + fused[:1]
+        for fp8, tiles in ((False, bf16_tiles), (True, fp8_tiles)):
+            for t in ([1] if self.dry else [1, 2, 4, 8]):
+                args, kw, fields, (experts, top_k) = self._moe_case(t, fp8)
+                out = self.torch.empty_like(args[0])
+                for cfg in tiles:
+                    row = Row("moe-tile" + ("-fp8" if fp8 else ""),
+                              f"T={t} {cfg.block_n1},{cfg.block_n2},{cfg.kb}x{cfg.g},w{cfg.num_warps}"
+                              + (",sum" if cfg.fuse_sum else ""), **fields)
+                    self.run_case(row, lambda: fused_moe_fwd(*args, out=out, config=cfg, **kw), None)
+
+    def _vllm_moe(self, x, w13, w2, tw, ti, **kw):
         def make():
             from vllm.model_executor.layers.fused_moe import fused_experts
 
-            return lambda: fused_experts(x, w13, w2, tw, ti)
+            if not kw:
+                return lambda: fused_experts(x, w13, w2, tw, ti)
+            from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+            qc = fp8_w8a8_moe_quant_config(w1_scale=kw["w13_scale"], w2_scale=kw["w2_scale"],
+                                           block_shape=kw["block_shape"])
+            return lambda: fused_experts(x, w13, w2, tw, ti, quant_config=qc)
         return make
 
 

@@ -40,6 +40,7 @@ OPS = "tests/ops/test_numerical_details.py"
 DSV3_FP8 = "tests/models/test_deepseek_v3_fp8.py"
 MLA_HOST = "tests/attention/test_mla_host_decode.py"
 FP8_GEMM = "tests/ops/test_fp8_gemm.py"
+MOE = "tests/ops/test_moe.py"
 
 MUTANTS = (
     # norm epsilons
@@ -223,6 +224,23 @@ MUTANTS = (
            (MLA_HOST,)),
     Mutant("mla-flashmla-pages-without-flashmla", "atom/plugin/vllm/mla_decode.py",
            "if model_config is None or install() is None:", "if model_config is None:", (MLA_HOST,)),
+    # the MoE small-batch (GEMV) path
+    Mutant("moe-gemv-up-scale-row", "atom/ops/moe_triton.py",
+           "((offs_n + inter) // SCALE_BN)[:, None] * stride_wsn", "(offs_n // SCALE_BN)[:, None] * stride_wsn",
+           (MOE + "::test_fused_moe_small_batch_fp8",)),
+    Mutant("moe-gemv-no-activation-quant", "atom/ops/moe_triton.py",
+           "                a = _qdq_groups(a, ROUND)\n", "                a = a\n",
+           (MOE + "::test_fused_moe_small_batch_fp8",)),
+    Mutant("moe-gemv-id-outside-map-counted", "atom/ops/moe_triton.py",
+           "e = tl.where(inb, tl.load(map_ptr + tl.where(inb, e, 0)).to(tl.int32), -1)",
+           "e = tl.where(inb, tl.load(map_ptr + tl.where(inb, e, 0)).to(tl.int32), 0)",
+           (MOE + "::test_fused_moe_small_batch_expert_map_and_bad_ids",)),
+    Mutant("moe-gemv-never-taken", "atom/ops/moe_triton.py",
+           "return num_tokens <= gemv_max_tokens(fp8) and", "return num_tokens < 0 and",
+           (MOE + "::test_fused_moe_small_batch_path",)),
+    Mutant("moe-gemv-routing-weight", "atom/ops/moe_triton.py",
+           "return y * tl.load(topk_w_ptr + pair + offs_n * 0, mask=ok_n, other=0.0)",
+           "return y * ok_n.to(tl.float32)", (MOE + "::test_fused_moe_small_batch_path",)),
 )
 
 

@@ -198,6 +198,142 @@ def test_fused_moe_fp8_separate_quant_pass_and_expert_map():
         torch.testing.assert_close(out.float(), ref.float(), atol=0.03 * scale, rtol=0.05)
 
 
+# -- the small-batch (GEMV) path ------------------------------------------------------------------
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """Counts the small-batch path's calls (so a test knows which path its batch took)."""
+    from atom.ops import moe_triton as mt
+
+    calls = []
+    real = mt._fused_moe_gemv
+
+    def spy(*args, **kwargs):
+        calls.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mt, "_fused_moe_gemv", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", MOE_TOLS)
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 1), (2, 6, 2), (1, 10, 8), (3, 40, 8), (4, 16, 2)])
+def test_fused_moe_small_batch_path(gemv_calls, dtype, atol, rtol, tokens, experts, top_k):
+    """Batches of <= 4 tokens (the bf16 / fp32 ``auto`` limit) with no more pairs than experts
+    take the GEMV path (odd hidden 48 / inter 40: tails in both GEMVs' K loops and row tiles)
+    and match the reference."""
+    args, kw = make_moe(tokens, 48, 40, experts, top_k, dtype, seed=tokens * experts + top_k)
+    out, ref = run_moe(args, kw)
+    assert len(gemv_calls) == 1
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,max_tokens", [(9, 128, 8, "8"), (5, 8, 2, "8"), (2, 40, 8, "0"),
+                                                           (3, 6, 2, "2"), (5, 64, 2, "auto")])
+def test_fused_moe_small_batch_limits(monkeypatch, gemv_calls, tokens, experts, top_k, max_tokens):
+    """Past ATOM_MOE_GEMV_MAX_TOKENS tokens (auto: 4 for these fp32 experts), with more pairs
+    than experts, or with the variable at 0, the grouped path runs."""
+    monkeypatch.setenv("ATOM_MOE_GEMV_MAX_TOKENS", max_tokens)
+    args, kw = make_moe(tokens, 48, 40, experts, top_k, torch.float32, seed=tokens)
+    out, ref = run_moe(args, kw)
+    assert gemv_calls == []
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_moe_small_batch_auto_limits_and_override(monkeypatch, gemv_calls):
+    """auto: up to 2 tokens with fp8 experts (3 go grouped), up to 4 with bf16; an explicit
+    ATOM_MOE_GEMV_MAX_TOKENS overrides both."""
+    for tokens, fp8, want in ((2, True, 1), (3, True, 0), (4, False, 1), (5, False, 0)):
+        gemv_calls.clear()
+        args, kw = make_moe(tokens, 256, 128, 16, 2, torch.bfloat16, seed=tokens,
+                            fp8_block=(128, 128) if fp8 else None)
+        run_moe(args, kw)
+        assert len(gemv_calls) == want, (tokens, fp8)
+    monkeypatch.setenv("ATOM_MOE_GEMV_MAX_TOKENS", "8")
+    gemv_calls.clear()
+    args, kw = make_moe(8, 256, 128, 16, 2, torch.bfloat16, seed=8, fp8_block=(128, 128))
+    out, ref = run_moe(args, kw)
+    assert len(gemv_calls) == 1
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.01 * scale, rtol=0.02)
+
+
+def test_fused_moe_small_batch_equals_grouped_path():
+    """Forced tiles on both paths: the same batch, the same numbers (fp32)."""
+    from atom.ops.moe_triton import GemvConfig, MoeConfig, fused_moe_fwd
+
+    args, _ = make_moe(5, 72, 56, 12, 2, torch.float32, seed=11)
+    grouped = fused_moe_fwd(*args, config=MoeConfig(16, 16, 32, 32, 2, 4, 1))
+    for cfg in (GemvConfig(8, 8, 16, 2, 4), GemvConfig(16, 32, 32, 1, 4), GemvConfig(4, 16, 8, 4, 4)):
+        torch.testing.assert_close(fused_moe_fwd(*args, config=cfg), grouped, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_moe_small_batch_expert_map_and_bad_ids(gemv_calls):
+    """Expert parallelism on the small-batch path: pairs of experts on other ranks and ids
+    outside the map add nothing; a token with no expert here comes out exactly zero."""
+    args, kw = make_moe(4, 48, 24, 5, 2, torch.float32, seed=3, global_experts=12)
+    x, w13, w2, w, ids = args
+    expert_map = torch.full((12,), -1, dtype=torch.int32)
+    expert_map[torch.tensor([1, 4, 5, 9, 11])] = torch.arange(5, dtype=torch.int32)
+    expert_map = expert_map.to(DEV)
+    ids[0] = torch.tensor([0, 2], dtype=torch.int32)  # both remote
+    ids[1] = torch.tensor([4, 9], dtype=torch.int32)  # both here
+    bad = ids.clone()
+    bad[2, 0], bad[3, 1] = 12, -3  # outside the map: on no rank
+    remote = ids.clone()
+    remote[2, 0] = remote[3, 1] = 0
+    ref = fused_moe.run("torch", x, w13, w2, w, remote, expert_map=expert_map)
+    out = fused_moe.run("triton", x, w13, w2, w, bad, expert_map=expert_map)
+    assert len(gemv_calls) == 1
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert out[0].abs().max() == 0
+    # without a map, ids past the local experts add nothing either (top_k 1 writes the output directly)
+    args, _ = make_moe(3, 48, 24, 4, 1, torch.float32, seed=4)
+    x, w13, w2, w, ids = args
+    ids[1, 0] = 7
+    out = fused_moe.run("triton", x, w13, w2, w, ids)
+    assert out[1].abs().max() == 0
+    keep = torch.tensor([0, 2], device=DEV)
+    ref = fused_moe.run("torch", x[keep], w13, w2, w[keep], ids[keep])
+    torch.testing.assert_close(out[keep], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("hidden,inter,block,producer_quant", [
+    (256, 192, (128, 128), False), (200, 192, (64, 128), False), (256, 128, (128, 128), True),
+    (200, 136, (128, 64), True)])
+def test_fused_moe_small_batch_fp8(gemv_calls, hidden, inter, block, producer_quant):
+    """fp8 block-scaled experts on the small-batch path: partial edge blocks (hidden 200 and
+    inter 136 are not multiples of the block), a row tile narrower than the scale block, the
+    activations quantised in the kernel or by their producer (``x_fp8``). The reference
+    quantises the activations the same way, so the agreement is close to exact."""
+    from atom.ops.moe_triton import group_quant_fp8
+
+    args, kw = make_moe(2, hidden, inter, 8, 2, torch.bfloat16, seed=hidden + inter, fp8_block=block)
+    if producer_quant:
+        xq, xs = group_quant_fp8(args[0], block[1])
+        kw = dict(kw, x_fp8=xq, x_fp8_scale=xs)
+    out, ref = run_moe(args, kw)
+    assert len(gemv_calls) == 1
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.01 * scale, rtol=0.02)
+
+
+def test_fused_moe_small_batch_gpt_oss(gemv_calls):
+    """Expert biases and the clamped swigluoai on the small-batch path, bf16 and fp8."""
+    args, _ = make_moe(3, 48, 40, 6, 2, torch.bfloat16, seed=8)
+    x, w13, w2, w, ids = args
+    args = (x, (w13.float() * 6).to(torch.bfloat16), w2, w, ids)
+    out, ref = run_moe(args, gpt_oss_kwargs(args, seed=3, limit=1.5))
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * max(scale, 1.0), rtol=2e-2)
+    args, kw = make_moe(2, 256, 128, 4, 2, torch.bfloat16, seed=9, fp8_block=(128, 128))
+    out, ref = run_moe(args, dict(kw, **gpt_oss_kwargs(args, seed=2, limit=1.0)))
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.01 * scale, rtol=0.02)
+    assert len(gemv_calls) == 2
+
+
 def test_fused_moe_no_tokens():
     args, kw = make_moe(0, 48, 40, 4, 2, torch.bfloat16, seed=0)
     assert fused_moe.run("triton", *args, **kw).shape == (0, 48)
@@ -309,7 +445,7 @@ def test_fp8_quant_references():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 7, 64, 256, 1024])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 64, 256, 1024])
 def test_gpu_fused_moe_qwen3_30b(tokens):
     args, kw = make_moe(tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
     out, ref = run_moe(args, kw)
@@ -317,7 +453,7 @@ def test_gpu_fused_moe_qwen3_30b(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 64, 512])
+@pytest.mark.parametrize("tokens", [1, 4, 8, 64, 512])
 def test_gpu_fused_moe_fp8_block(tokens):
     args, kw = make_moe(tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens, fp8_block=(128, 128))
     out, ref = run_moe(args, kw)
@@ -326,7 +462,7 @@ def test_gpu_fused_moe_fp8_block(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 64, 512])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
 def test_gpu_fused_moe_gpt_oss_20b(tokens):
     """GPT-OSS-20B experts (32, top-4, hidden = inter = 2880: no power of two), biases and the
     clamped swigluoai, gate/up scaled so the clamp engages."""

@@ -107,14 +107,17 @@ def _not_specialised(kernel) -> list[str]:
 @pytest.mark.parametrize("top_k,experts", [(8, 128), (8, 64), (2, 8), (8, 256), (1, 16), (4, 32)])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_moe_warm_up_counts_meet_every_tile_config(monkeypatch, top_k, experts, fp8):
-    """The warm-up sizes meet every (tile config, align CHUNK) pair that any batch of up to
-    8,192 tokens would (H100 configs: the interpreter's tiny tiles are switched off here)."""
+    """The warm-up sizes meet every (tile config, align CHUNK) pair, and the small-batch path,
+    that any batch of up to 8,192 tokens would (H100 configs: the interpreter's tiny tiles are
+    switched off here)."""
     from atom.ops import moe_triton as mt
 
     monkeypatch.setattr(mt, "triton_interpreting", lambda: False)
     quant = 128 if fp8 else None
 
     def variant(t: int):
+        if mt.takes_gemv(t, top_k, experts):  # the small-batch path: one variant per layer
+            return mt.gemv_config(quant, torch.bfloat16)
         return mt.moe_config(t, top_k, experts, quant, torch.bfloat16), mt.align_chunk(t * top_k)
 
     want = {variant(t) for t in range(1, 8193)}
@@ -259,9 +262,11 @@ def test_gpu_no_compile_after_moe_warm_up(ep):
         em = torch.full((experts,), -1, dtype=torch.int32, device="cuda")
         em[local:] = torch.arange(local, dtype=torch.int32, device="cuda")
     moe_op.warm_up_fused_moe(w13, w2, top_k, experts, act_dtype=torch.bfloat16, expert_map=em)
-    kernels = (mt._moe_align_kernel, mt._moe_gemm1_kernel, mt._moe_gemm2_kernel, mt._moe_sum_kernel)
+    kernels = (mt._moe_align_kernel, mt._moe_gemm1_kernel, mt._moe_gemm2_kernel, mt._moe_sum_kernel,
+               mt._moe_gemv1_kernel, mt._moe_gemv2_kernel)
     before = [_compiled(k) for k in kernels]
-    for t in (1, 3, 7, 24, 111, 128, 136, 512, 777, 1500, 2047, 3001, 8192):
+    assert all(before), "the warm-up compiled every kernel of both paths"
+    for t in (1, 2, 3, 7, 8, 9, 24, 111, 128, 136, 512, 777, 1500, 2047, 3001, 8192):
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
         ids = torch.randint(0, experts, (t, top_k), device="cuda", dtype=torch.int32)
         w = torch.rand(t, top_k, device="cuda")
