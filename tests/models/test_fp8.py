@@ -672,13 +672,17 @@ def test_gpu_fp8_kv_cache_with_fp8_weights_and_fused_quantisation(fp8_checkpoint
     KV cache, atom's Triton fp8 GEMMs and fused quantisation, CUDA graphs. Here the unfused run
     is not bit-identical: without the fused producer the norm in front of each GEMM is a
     different kernel (under torch.compile, Inductor's), whose bf16 output can differ in the last
-    bit, which moves an fp8 rounding; so the unfused run is held to the same bound as the cache."""
+    bit, which moves an fp8 rounding; so the unfused run is held to the same bound as the cache.
+    The cache's own error is held to stock's: stock vLLM on the same checkpoint with and without
+    its fp8 cache (its CUTLASS block-fp8 GEMM, ``VLLM_USE_DEEP_GEMM=0``: no DeepGEMM JIT warm-up in a
+    test). The first H100 run found this model's fp8-cache error on atom's W8A16 engine at 0.167,
+    above the CPU-measured 0.15 the test then used; stock's is the fair bound."""
     _check_fp8_kv_cache_with_fp8_weights(fp8_checkpoint, tmp_path, {"ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA": "1"},
-                                         unfused_identical=False)
+                                         unfused_identical=False, against_stock=True)
 
 
 def _check_fp8_kv_cache_with_fp8_weights(fp8_checkpoint, tmp_path, base_env: dict,
-                                         unfused_identical: bool = True) -> None:
+                                         unfused_identical: bool = True, against_stock: bool = False) -> None:
     if os.environ.get("ATOM_DISABLE_VLLM_PLUGIN", "0") not in ("", "0"):
         pytest.skip("ATOM_DISABLE_VLLM_PLUGIN is set for this test process")
     path = fp8_checkpoint("qwen3_fp8_block")
@@ -704,6 +708,15 @@ def _check_fp8_kv_cache_with_fp8_weights(fp8_checkpoint, tmp_path, base_env: dic
     print(f"fp8 cache on W8A8 {cache8:.4f}, on W8A16 {cache16:.4f}; W8A8 vs W8A16 {act:.4f}; "
           f"unfused vs fused {fusion:.4f}")
     assert cache8 > 1e-4 and cache16 > 1e-4  # the cache is quantised
-    assert cache16 < 0.15, cache16
+    if against_stock:
+        stock_env = {"VLLM_USE_DEEP_GEMM": "0"}
+        stock = _engine_process_run(path, prompts, tmp_path / "stock", env_extra=stock_env)
+        stock_fp8 = _engine_process_run(path, prompts, tmp_path / "stock-fp8", env_extra=stock_env, engine=fp8_cache)
+        stock_cache, _ = first_token_error(stock_fp8, stock)
+        print(f"stock's fp8 cache error {stock_cache:.4f}")
+        assert stock_cache > 1e-4
+        assert cache16 <= 1.25 * stock_cache, (cache16, stock_cache)
+    else:
+        assert cache16 < 0.15, cache16
     assert cache8 <= 1.5 * (act + cache16), (cache8, act, cache16)
     assert fusion <= 1.5 * (act + cache16), (fusion, act, cache16)
