@@ -507,8 +507,9 @@ def gemv_config(block_k_quant: Optional[int], dtype: torch.dtype = torch.bfloat1
 
 
 #: ``ATOM_MOE_GEMV_MAX_TOKENS=auto``: the largest batch the small-batch path takes, by expert
-#: weights. Measured on the H100 (docs/performance.md): bf16 experts 1.02-1.03x the grouped
-#: path's speed at T = 1..4, 0.99x at 8; fp8 experts 1.24x at T = 1, 1.04x at 2, 0.93x at 4.
+#: weights. Measured on the H100 (docs/performance.md): bf16 experts 1.02-1.05x the grouped
+#: path's speed at T = 1..4, 0.99x at 8; fp8 experts 1.21x at T = 1, 1.03x at 2, 0.94x at 4 and
+#: 0.83x at 8.
 GEMV_AUTO_MAX_TOKENS = {False: 4, True: 2}
 
 
