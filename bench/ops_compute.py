@@ -538,19 +538,15 @@ class Bench:
                       for g in (1, 2, 4) for w in (4,)] + [GemvConfig(16, 32, 128, 2, 8), GemvConfig(32, 64, 128, 2, 8)]
         fp8_tiles = [GemvConfig(n1, n2, 128, g, w) for n1 in (8, 16, 32) for n2 in (16, 32, 64)
                      for g in (2, 4, 8) for w in (4,)] + [GemvConfig(16, 32, 128, 4, 8), GemvConfig(32, 64, 128, 4, 8)]
-        fused = [GemvConfig(n1, n2, 128, g, w, True) for n1 in (8, 16) for n2 in (4, 8, 16, 32)
-                 for g in (2, 4, 8) for w in (4, 8)]
-        bf16_tiles, fp8_tiles = bf16_tiles + fused, fp8_tiles + fused
         if self.dry:
-            bf16_tiles, fp8_tiles = bf16_tiles[:2] + fused[:1], fp8_tiles[:2] + fused[:1]
+            bf16_tiles, fp8_tiles = bf16_tiles[:2], fp8_tiles[:2]
         for fp8, tiles in ((False, bf16_tiles), (True, fp8_tiles)):
             for t in ([1] if self.dry else [1, 2, 4, 8]):
                 args, kw, fields, (experts, top_k) = self._moe_case(t, fp8)
                 out = self.torch.empty_like(args[0])
                 for cfg in tiles:
                     row = Row("moe-tile" + ("-fp8" if fp8 else ""),
-                              f"T={t} {cfg.block_n1},{cfg.block_n2},{cfg.kb}x{cfg.g},w{cfg.num_warps}"
-                              + (",sum" if cfg.fuse_sum else ""), **fields)
+                              f"T={t} {cfg.block_n1},{cfg.block_n2},{cfg.kb}x{cfg.g},w{cfg.num_warps}", **fields)
                     self.run_case(row, lambda: fused_moe_fwd(*args, out=out, config=cfg, **kw), None)
 
     def _vllm_moe(self, x, w13, w2, tw, ti, **kw):

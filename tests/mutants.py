@@ -235,8 +235,8 @@ MUTANTS = (
            "return num_tokens <= gemv_max_tokens(fp8) and", "return num_tokens < 0 and",
            (MOE + "::test_fused_moe_small_batch_path",)),
     Mutant("moe-gemv-routing-weight", "atom/ops/moe_gemv_triton.py",
-           "return y * tl.load(topk_w_ptr + pair + offs_n * 0, mask=ok_n, other=0.0)",
-           "return y * ok_n.to(tl.float32)", (MOE + "::test_fused_moe_small_batch_path",)),
+           "y = y * tl.load(topk_w_ptr + pair + offs_n * 0, mask=ok_n, other=0.0)",
+           "y = y * ok_n.to(tl.float32)", (MOE + "::test_fused_moe_small_batch_path",)),
 )
 
 

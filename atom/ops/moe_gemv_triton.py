@@ -22,6 +22,19 @@ from atom.ops.common_triton import exact_fp8_cast, to_fp8_e4m3
 
 
 @triton.jit
+def gated_act(gate, up, alpha, limit, SWIGLUOAI: tl.constexpr, CLAMP: tl.constexpr):
+    """The expert MLP's gated activation on float32 gate/up values (both MoE paths):
+    ``silu(gate) * up``, or GPT-OSS's ``(clamp(up) + 1) * g * sigmoid(alpha * g)``,
+    ``g = min(gate, limit)``."""
+    if SWIGLUOAI:
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        return gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _resolve_expert(ids_ptr, map_ptr, pair, num_local, num_global, HAS_MAP: tl.constexpr):
     """The local expert of ``pair`` and whether it is on this rank (ids outside the map or
     past the local experts, e.g. garbage routing in a warm-up pass, are on no rank)."""
@@ -97,24 +110,22 @@ def _moe_gemv1_kernel(
         b_ptrs = bias_ptr + expert * stride_be + offs_n
         gate += tl.load(b_ptrs, mask=nmask, other=0.0).to(tl.float32)
         up += tl.load(b_ptrs + inter, mask=nmask, other=0.0).to(tl.float32)
-    if SWIGLUOAI:
-        if CLAMP:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
-    else:
-        h = gate / (1.0 + tl.exp(-gate)) * up
+    h = gated_act(gate, up, alpha, limit, SWIGLUOAI, CLAMP)
     tl.store(h_ptr + pair.to(tl.int64) * stride_ht + offs_n, h, mask=nmask)
 
 
 @triton.jit
-def _gemv2_pair(h_ptr, ids_ptr, map_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_w_ptr, pair, offs_n,
-                inter, hidden, num_local, num_global, stride_ht, stride_we, stride_wn, stride_wse,
-                stride_wsn, stride_wsk, stride_be,
-                KB: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
-                ROUND: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """One pair's down-projection rows ``offs_n`` (bias, routing weight; zero for a pair whose
-    expert is not on this rank), float32."""
+def _moe_gemv2_kernel(
+    h_ptr, ids_ptr, map_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_w_ptr, out_ptr,
+    inter, hidden, num_local, num_global,
+    stride_ht, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_ot,
+    BLOCK_N: tl.constexpr, KB: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr,
+    SCALE_BN: tl.constexpr, ROUND: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """One pair's down-projection rows (bias, routing weight; zero for a pair whose expert is not
+    on this rank)."""
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert, ok = _resolve_expert(ids_ptr, map_ptr, pair, num_local, num_global, HAS_MAP)
     offs_g = tl.arange(0, G)
     kidx = offs_g[:, None] * KB + tl.arange(0, KB)[None, :]
@@ -127,7 +138,7 @@ def _gemv2_pair(h_ptr, ids_ptr, map_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_w_pt
     if FP8:
         s_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // SCALE_BN)[:, None] * stride_wsn
     h_row = h_ptr + pair.to(tl.int64) * stride_ht
-    acc = tl.zeros([offs_n.shape[0], G, KB], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, G, KB], dtype=tl.float32)
     for k0 in range(0, inter, G * KB):
         kk = k0 + kidx
         kmask = (kk < inter) & ok_k  # a pair of an absent expert reads nothing and adds zero
@@ -141,59 +152,28 @@ def _gemv2_pair(h_ptr, ids_ptr, map_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_w_pt
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert * stride_be + offs_n, mask=nmask & ok_n, other=0.0).to(tl.float32)
-    return y * tl.load(topk_w_ptr + pair + offs_n * 0, mask=ok_n, other=0.0)
-
-
-@triton.jit
-def _moe_gemv2_kernel(
-    h_ptr, ids_ptr, map_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_w_ptr, out_ptr,
-    inter, hidden, num_local, num_global,
-    stride_ht, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_ot,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr,
-    SCALE_BN: tl.constexpr, ROUND: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SUM: tl.constexpr,
-):
-    """SUM: one program per (token, row tile) adds the token's TOPK pairs and writes the output
-    row (no separate sum kernel); else one program per (pair, row tile) writes the pair's row."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SUM:
-        t = tl.program_id(0)
-        y = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            y += _gemv2_pair(h_ptr, ids_ptr, map_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_w_ptr, t * TOPK + j,
-                             offs_n, inter, hidden, num_local, num_global, stride_ht, stride_we, stride_wn,
-                             stride_wse, stride_wsn, stride_wsk, stride_be, KB, G, FP8, SCALE_BN, ROUND,
-                             HAS_MAP, HAS_BIAS)
-        row = t
-    else:
-        row = tl.program_id(0)
-        y = _gemv2_pair(h_ptr, ids_ptr, map_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_w_ptr, row, offs_n,
-                        inter, hidden, num_local, num_global, stride_ht, stride_we, stride_wn, stride_wse,
-                        stride_wsn, stride_wsk, stride_be, KB, G, FP8, SCALE_BN, ROUND, HAS_MAP, HAS_BIAS)
-    tl.store(out_ptr + row.to(tl.int64) * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty),
-             mask=offs_n < hidden)
+    y = y * tl.load(topk_w_ptr + pair + offs_n * 0, mask=ok_n, other=0.0)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """Tiles of the small-batch path: rows per program of each GEMV (``block_n1`` per half of
-    ``w13``), ``kb`` columns per group (fp8: the quantisation block) and ``g`` groups per K step;
-    ``fuse_sum``: the down GEMV adds each token's top-k rows itself (no sum kernel)."""
+    ``w13``), ``kb`` columns per group (fp8: the quantisation block) and ``g`` groups per K step."""
 
     block_n1: int
     block_n2: int
     kb: int
     g: int
     num_warps: int
-    fuse_sum: bool = False
 
 
 def gemv_config(block_k_quant: Optional[int], dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """Tiles of the small-batch path (tiny under the interpreter). The H100 sweep
     (``bench/ops_compute.py --ops moe_tiles``, Qwen3-30B-A3B experts, docs/performance.md) put
     every tile within a few % of each other at T = 1..8 for bf16; for fp8 8-row gate/up tiles
-    and 512-column K steps were best at T = 1. Adding the top-k rows inside the down GEMV
-    (``fuse_sum``) measured no faster than the separate sum kernel."""
+    and 512-column K steps were best at T = 1. A down GEMV that added each token's top-k rows
+    itself (no sum kernel) measured no faster, and was dropped."""
     if triton_interpreting():
         return GemvConfig(8, 8, block_k_quant or 16, 2, 4)
     if block_k_quant:
@@ -264,21 +244,20 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, num_glo
         ROUND=round_, HAS_MAP=has_map, HAS_BIAS=w13_bias is not None, SWIGLUOAI=swigluoai, CLAMP=clamp,
         num_warps=cfg.num_warps, num_stages=1,
     )
-    direct = (top_k == 1 and not has_map) or cfg.fuse_sum
+    direct = top_k == 1 and not has_map
     dst = out if direct else torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     tw = topk_weights.reshape(-1)
     if tw.dtype != torch.float32 or not tw.is_contiguous():
         tw = tw.float().contiguous()
     w2_s = w2_scale if fp8 else x
     ws2 = (w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2)) if fp8 else (0, 0, 0)
-    _moe_gemv2_kernel[(num_tokens if cfg.fuse_sum else num_pairs, triton.cdiv(hidden, cfg.block_n2))](
+    _moe_gemv2_kernel[(num_pairs, triton.cdiv(hidden, cfg.block_n2))](
         h, ids_flat, emap, w2, w2_s, w2_bias if w2_bias is not None else x, tw, dst,
         inter, hidden, num_local, num_global,
         h.stride(0), w2.stride(0), w2.stride(1), *ws2,
         w2_bias.stride(0) if w2_bias is not None else 0, dst.stride(0),
-        TOPK=top_k, BLOCK_N=cfg.block_n2, KB=cfg.kb, G=cfg.g, FP8=fp8, SCALE_BN=scale_bn, ROUND=round_,
-        HAS_MAP=has_map, HAS_BIAS=w2_bias is not None, SUM=cfg.fuse_sum,
-        num_warps=cfg.num_warps, num_stages=1,
+        BLOCK_N=cfg.block_n2, KB=cfg.kb, G=cfg.g, FP8=fp8, SCALE_BN=scale_bn, ROUND=round_,
+        HAS_MAP=has_map, HAS_BIAS=w2_bias is not None, num_warps=cfg.num_warps, num_stages=1,
     )
     if not direct:
         block_h = min(1024, next_pow2(hidden))

@@ -45,8 +45,8 @@ from atom.ops._dispatch import triton_interpreting
 from atom.ops.common_triton import dot_flags, exact_fp8_cast, to_fp8_e4m3
 # the small-batch path (module docstring), its own module
 from atom.ops.moe_gemv_triton import (GEMV_AUTO_MAX_TOKENS, GemvConfig, _fused_moe_gemv,  # noqa: F401
-                                      _moe_gemv1_kernel, _moe_gemv2_kernel, gemv_config, gemv_max_tokens,
-                                      takes_gemv)
+                                      _moe_gemv1_kernel, _moe_gemv2_kernel, gated_act, gemv_config,
+                                      gemv_max_tokens, takes_gemv)
 
 FP8_MAX = 448.0
 
@@ -188,14 +188,7 @@ def _moe_gemm1_kernel(
         b_ptrs = bias_ptr + expert * stride_be + offs_n
         acc_g += tl.load(b_ptrs, mask=nmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptrs + inter, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    if SWIGLUOAI:
-        # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-        if CLAMP:
-            acc_g = tl.minimum(acc_g, limit)
-            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = acc_g / (1.0 + tl.exp(-alpha * acc_g)) * (acc_u + 1.0)
-    else:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
+    h = gated_act(acc_g, acc_u, alpha, limit, SWIGLUOAI, CLAMP)
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
     if QUANT_OUT:
         # this tile is exactly one activation group of the second GEMM: quantise it here
