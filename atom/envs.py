@@ -255,9 +255,10 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "ATOM_FP8_W8A8_MIN_TOKENS", "int", "17",
             "Block-scaled fp8 linears (weights stay fp8) on GPUs: from this many tokens per step, "
-            "quantise activations per token and 128-channel group and run the fp8 x fp8 GEMM (W8A8); "
-            "below, and always when 0, keep activations in bf16 (W8A16: the dequantised layer's "
-            "numbers, half the weight bytes). On CPU W8A16 always unless this is set.",
+            "quantise activations per token and 128-channel group and run the fp8 x fp8 GEMM (W8A8, "
+            "vLLM's block-fp8 GEMM from ATOM_FP8_HOST_GEMM_MIN_TOKENS); below, and always when 0, "
+            "keep activations in bf16 (W8A16: the dequantised layer's numbers, half the weight "
+            "bytes; vLLM's GEMM is not called). On CPU W8A16 always unless this is set.",
             _parse_nonneg_int, "an integer >= 0",
         ),
         EnvVar(
@@ -292,7 +293,8 @@ VARIABLES: dict[str, EnvVar] = {
             "ATOM_FP8_HOST_GEMM_MIN_TOKENS", "auto or int", "auto",
             "Block-scaled fp8 linears under vLLM on NVIDIA GPUs: from this many tokens per step, call "
             "vLLM's block-fp8 GEMM (ATOM_FP8_HOST_GEMM; 128x128 blocks) instead of atom's Triton "
-            "kernel; 0 = never; auto = 17 for DeepGEMM, 128 for CUTLASS (where each measured "
+            "kernel, and no sooner than ATOM_FP8_W8A8_MIN_TOKENS (vLLM's kernels quantise "
+            "activations); 0 = never; auto = 17 for DeepGEMM, 128 for CUTLASS (where each measured "
             "faster than atom's kernel, docs/performance.md).",
             _parse_auto_or_nonneg_int, "auto, or an integer >= 0",
         ),

@@ -21,9 +21,14 @@ Two activation forms, one op (:func:`fp8_block_gemm`):
 The choice is made inside the op, per call, so a torch.compile graph holds one node for every
 batch size. ``x_fp8`` / ``x_fp8_scale``: ``x``'s own 1 x ``bk`` quantisation, written by the
 kernel that produced ``x`` (:mod:`atom.ops.fused_quant`); wherever the op would quantise ``x``
-(W8A8, the host GEMM) it reads these instead, so no quantisation kernel runs in front of it. From a host-set batch size the op may instead call a GEMM the host ships
-(:func:`set_host_gemm`; vLLM's plugin offers vLLM's CUTLASS block-fp8 kernel, which the
-kernel table in docs/performance.md shows faster than atom's Triton kernel from M ~ 128). Which threshold a layer uses is the layer's choice (:mod:`atom.models._linear`).
+(W8A8, the host GEMM) it reads these instead, so no quantisation kernel runs in front of it.
+
+Where the op would run W8A8, from a host-set batch size up, it may instead call a block-fp8
+GEMM the host ships (:func:`set_host_gemm`; vLLM's plugin offers DeepGEMM or CUTLASS, faster
+than atom's Triton W8A8 kernel from the sizes in docs/performance.md). Those are W8A8 kernels, so
+the host GEMM serves only batches the op would quantise anyway: from ``max(host min_tokens,
+w8a8_from)`` rows, never with ``w8a8_from`` None (W8A16 asked for). Which threshold a layer uses
+is the layer's choice (:mod:`atom.models._linear`).
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 class HostGemm(NamedTuple):
     """A block-fp8 GEMM the host framework ships (vLLM: DeepGEMM's ``fp8_gemm_nt`` or its CUTLASS
     ``cutlass_scaled_mm``), offered by the host's plugin (:func:`set_host_gemm`) and used from
-    ``min_tokens`` rows up. ``fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)``
+    ``min_tokens`` rows up, on batches the op would run W8A8. ``fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)``
     returns ``y``, or None where it does not apply (the op then runs atom's kernel); ``x_fp8`` /
     ``x_fp8_scale`` (None when absent) are ``x``'s fused 1 x 128 quantisation, any scale strides.
     ``warm_up(weight, weight_scale, block_shape, act_dtype)`` (optional) compiles the kernel's
@@ -169,12 +174,12 @@ def _fp8_block_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     dtype = _check(x, weight, weight_scale, block_shape, x_scale, bias, out_dtype, out, x_fp8, x_fp8_scale)
     from atom.ops.fp8_gemm_triton import fp8_block_gemm_fwd
 
-    host = _HOST_GEMM
-    if host is not None and x_scale is None and out is None and x.shape[0] >= host.min_tokens:
+    host, w8a8 = _HOST_GEMM, _w8a8(x, w8a8_from)
+    if host is not None and w8a8 and x_scale is None and out is None and x.shape[0] >= host.min_tokens:
         y = host.fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)
         if y is not None:
             return y
-    if _w8a8(x, w8a8_from):
+    if w8a8:
         x, x_scale = ((x_fp8, x_fp8_scale) if x_fp8 is not None
                       else per_block_quant_fp8.run("triton", x, int(block_shape[1])))
 
@@ -187,7 +192,8 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
                            force: bool = False) -> int:
     """Compile, before the first request, every kernel variant :func:`fp8_block_gemm` launches for
     this weight shape (one per batch-size bucket, W8A16 below ``w8a8_from`` tokens and W8A8 from
-    it), and the host GEMM's own variants where it has a warm-up (:class:`HostGemm`); once per
+    it), and the host GEMM's own variants where it has a warm-up (:class:`HostGemm`) and W8A8 is
+    on (the host GEMM serves only W8A8 batches); once per
     process and shape. Returns the launches made: 0 when the op would not run Triton on the
     weight's device unless ``force`` (tests, under the Triton interpreter)."""
     key = (tuple(weight.shape), tuple(weight_scale.shape), tuple(int(b) for b in block_shape), act_dtype,
@@ -199,6 +205,6 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
     block = (int(block_shape[0]), int(block_shape[1]))
     launches = warm_up(weight, weight_scale, block, act_dtype, w8a8_from, has_bias)
     host = _HOST_GEMM
-    if host is not None and host.warm_up is not None:
+    if host is not None and host.warm_up is not None and w8a8_from is not None:
         launches += host.warm_up(weight, weight_scale, block, act_dtype)
     return launches

@@ -148,8 +148,9 @@ def test_gpu_real_shapes(m, n, k):
 
 
 def test_host_gemm_is_used_from_its_batch_size_and_declines_fall_back():
-    """The host seam (the toolkit's own mechanics, so a recording fake): from ``min_tokens`` rows
-    the op calls the host's GEMM; a host that returns None leaves the row to atom's kernel."""
+    """The host seam (the toolkit's own mechanics, so a recording fake): on W8A8 batches, from
+    ``min_tokens`` rows, the op calls the host's GEMM; a host that returns None leaves the row to
+    atom's kernel."""
     from atom.ops.fp8_gemm import HostGemm, set_host_gemm
 
     w, s = _weights(64, 128, (64, 64))
@@ -163,22 +164,51 @@ def test_host_gemm_is_used_from_its_batch_size_and_declines_fall_back():
 
     set_host_gemm(HostGemm(host, 8, "fake"))
     try:
-        small = _triton(torch.randn(3, 128, device=DEVICE), w, s, (64, 64))
-        big = _triton(torch.randn(8, 128, device=DEVICE), w, s, (64, 64))
+        small = _triton(torch.randn(3, 128, device=DEVICE), w, s, (64, 64), w8a8_from=1)
+        big = _triton(torch.randn(8, 128, device=DEVICE), w, s, (64, 64), w8a8_from=1)
         x9 = torch.randn(9, 128, device=DEVICE)
-        declined = _triton(x9, w, s, (64, 64))
+        declined = _triton(x9, w, s, (64, 64), w8a8_from=1)
         q, qs = per_block_quant_fp8(x9, 64)
-        _triton(x9, w, s, (64, 64), x_fp8=q, x_fp8_scale=qs)  # a producer's quantisation is handed on
+        _triton(x9, w, s, (64, 64), x_fp8=q, x_fp8_scale=qs, w8a8_from=1)  # a producer's quantisation is handed on
     finally:
         set_host_gemm(None)
     assert calls == [8, 9, 9] and fed == [False, False, True]
     assert not (small == 7).all() and (big == 7).all()
-    torch.testing.assert_close(declined, fp8_block_gemm.reference(x9, w, s, (64, 64)), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(declined, fp8_block_gemm.reference(x9, w, s, (64, 64), w8a8_from=1),
+                               atol=1e-3, rtol=1e-3)
+
+
+def test_host_gemm_serves_only_batches_the_op_would_quantise():
+    """vLLM's block-fp8 GEMMs quantise activations, so W8A16 (``w8a8_from`` None, as with
+    ``ATOM_FP8_W8A8_MIN_TOKENS=0``) never reaches the host GEMM, whatever the batch: the product
+    is the exact dequantised layer's; a later W8A8 threshold than the host's moves the hand-off
+    to it."""
+    from atom.ops.fp8_gemm import HostGemm, set_host_gemm
+
+    w, s = _weights(64, 128, (64, 64))
+    calls = []
+
+    def host(x, weight, *rest):
+        calls.append(x.shape[0])
+        return torch.full((x.shape[0], weight.shape[0]), 7.0, dtype=x.dtype, device=x.device)
+
+    x = torch.randn(40, 128, device=DEVICE)
+    set_host_gemm(HostGemm(host, 8, "fake"))
+    try:
+        a16 = _triton(x, w, s, (64, 64))
+        below = _triton(x[:19], w, s, (64, 64), w8a8_from=20)
+        from_it = _triton(x[:20], w, s, (64, 64), w8a8_from=20)
+    finally:
+        set_host_gemm(None)
+    assert calls == [20] and (from_it == 7).all()
+    torch.testing.assert_close(a16, fp8_block_gemm.reference(x, w, s, (64, 64)), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(below, fp8_block_gemm.reference(x[:19], w, s, (64, 64)), atol=1e-3, rtol=1e-3)
 
 
 def test_host_gemm_warm_up_runs_with_the_layers_warm_up():
     """A host GEMM's warm-up (DeepGEMM compiles per shape just in time) runs inside atom's
-    per-shape warm-up, once per shape, and its launches are counted."""
+    per-shape warm-up where W8A8 is on, once per shape, and its launches are counted; a W8A16
+    layer (which never calls the host GEMM) does not compile its variants."""
     from atom.ops import warm_up_fp8_block_gemm
     from atom.ops.fp8_gemm import HostGemm, set_host_gemm
 
@@ -191,12 +221,13 @@ def test_host_gemm_warm_up_runs_with_the_layers_warm_up():
 
     set_host_gemm(HostGemm(lambda *a: None, 8, "fake", warm))
     try:
-        first = warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, force=True)
-        again = warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, force=True)
+        a16 = warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, force=True)
+        first = warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, w8a8_from=8, force=True)
+        again = warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, w8a8_from=8, force=True)
     finally:
         set_host_gemm(None)
     assert seen == [((80, 96), (16, 32), torch.float32)]
-    assert first > 5 and again == 0
+    assert a16 > 0 and first > 5 and again == 0
 
 
 @pytest.mark.gpu
@@ -263,13 +294,13 @@ def _check_host_gemm(direct_gemm, m: int, own_atol: float, fed_near_exact: bool)
     x = torch.randn(m, 2048, device=DEVICE, dtype=torch.bfloat16)
     bias = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16)
     want = x.float() @ dequant_block_fp8(w, s, (128, 128)).t() + bias.float()
-    got = _triton(x, w, s, (128, 128), bias=bias)
+    got = _triton(x, w, s, (128, 128), bias=bias, w8a8_from=17)
     assert torch.equal(got, direct_gemm(x, w, s, (128, 128), bias))
     assert (got.float() - want).abs().max() <= 0.08 * want.abs().max()
     q, qs = per_block_quant_fp8(x, 128)
     own = _triton(q, w, s, (128, 128), x_scale=qs, bias=bias, out_dtype=torch.bfloat16)
     for scales in (qs, column_major(qs)):
-        fed = _triton(x, w, s, (128, 128), bias=bias, x_fp8=q, x_fp8_scale=scales)
+        fed = _triton(x, w, s, (128, 128), bias=bias, x_fp8=q, x_fp8_scale=scales, w8a8_from=17)
         if fed_near_exact:
             assert (fed.float() - want).abs().max() <= 0.08 * want.abs().max()
         torch.testing.assert_close(fed.float(), own.float(), atol=own_atol * want.abs().max().item(), rtol=0.01)
