@@ -213,7 +213,7 @@ MUTANTS = (
            "Kernel(DEEPGEMM, deepgemm_block_gemm, 17,", "Kernel(DEEPGEMM, deepgemm_block_gemm, 128,",
            ("tests/plugin/test_fp8_host_gemm.py",)),
     Mutant("fp8-host-gemm-warm-up-skipped", "atom/ops/fp8_gemm.py",
-           "if host is not None and host.warm_up is not None:", "if False:",
+           "if host is not None and host.warm_up is not None and w8a8_from is not None:", "if False:",
            ("tests/ops/test_fp8_gemm.py::test_host_gemm_warm_up_runs_with_the_layers_warm_up",)),
     Mutant("fp8-host-auto-cutlass-first", "atom/plugin/vllm/fp8_gemm.py",
            'KERNELS.values() if choice == "auto"', 'reversed(KERNELS.values()) if choice == "auto"',

@@ -8,6 +8,7 @@ The engine fixtures built on these live in ``tests/models/conftest.py``; a test 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -252,18 +253,27 @@ def tiny_hf_model(kind: str, out_dir: Any, **overrides: Any) -> tuple[nn.Module,
     return model, load_file(f"{out_dir}/model.safetensors")
 
 
+def prompt_error_profile(diffs: list[float]) -> dict[str, float]:
+    """Max, mean and 95th percentile (nearest rank) of teacher-forced |d logprob| values. The
+    percentile is what a tiny random MoE's router near-ties leave alone: a flipped top-k pick
+    moves one position by up to about 1, and which ties flip changes with the machine's
+    arithmetic, so its max is not a stable measure of a kernel's error."""
+    ranked = sorted(diffs)
+    return {"prompt_max": ranked[-1], "prompt_mean": sum(ranked) / len(ranked),
+            "prompt_p95": ranked[max(math.ceil(0.95 * len(ranked)) - 1, 0)]}
+
+
 def greedy_run_stats(ours: dict, theirs: dict) -> dict[str, float]:
     """Measured distance of two greedy runs (printed by the model tests, for the record):
-    max/mean |d logprob| teacher-forced over the prompts, max over the sampled tokens while the
-    continuations agree, and the fraction of tokens before the first divergence."""
+    :func:`prompt_error_profile` of the teacher-forced prompts, max over the sampled tokens while
+    the continuations agree, and the fraction of tokens before the first divergence."""
     prompt_diffs, sampled, agreeing, total = [], [0.0], 0, 0
     for a, b in zip(ours["rows"], theirs["rows"]):
         prompt_diffs += [abs(x - y) for x, y in zip(a["prompt_logprobs"], b["prompt_logprobs"])]
         n = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
         sampled += [abs(x - y) for x, y in zip(a["logprobs"][:n], b["logprobs"][:n])]
         agreeing, total = agreeing + n, total + len(a["tokens"])
-    return {"prompt_max": max(prompt_diffs), "prompt_mean": sum(prompt_diffs) / len(prompt_diffs),
-            "sampled_max": max(sampled), "agreeing": agreeing / total}
+    return {**prompt_error_profile(prompt_diffs), "sampled_max": max(sampled), "agreeing": agreeing / total}
 
 
 def run_tp2_engine(checkpoint: Path, prompts: list[list[int]], tmp_path: Path, engine: dict,

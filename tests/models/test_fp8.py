@@ -40,6 +40,7 @@ from tests.models._harness import (
     full_logits,
     greedy_run_stats,
     mixed_prompts,
+    prompt_error_profile,
     run_ranks,
 )
 
@@ -542,11 +543,13 @@ def test_gpu_block_fp8_checkpoint_steps_aside_to_vllm_by_default(fp8_checkpoint,
     assert "[atom] built atom.models" in logs["1"] and "steps aside" not in logs["1"]
 
 
-def _w8a8_rounding_max(path: Path) -> float:
+def _w8a8_rounding(path: Path) -> dict[str, float]:
     """What fp8 activation rounding alone does to this model: the model alone on the CPU (fp32,
     exact weights otherwise), every block-fp8 linear quantising its input per 1 x 128 group as
-    W8A8 does, vs the same model in W8A16; max teacher-forced |d logprob| over
-    :func:`mixed_prompts`. A tiny random MoE's router near-ties flip under it."""
+    W8A8 does, vs the same model in W8A16; :func:`prompt_error_profile` of the teacher-forced
+    |d logprob| over :func:`mixed_prompts`. A tiny random MoE's router near-ties flip under it.
+    The rounding is the op's own torch reference, not the producers' fused quantisation
+    (``ATOM_DISABLE_FP8_FUSED_ACT_QUANT``), so that a fault there cannot widen its own bound."""
     def prompt_logprobs(model):
         out = []
         for ids in mixed_prompts():
@@ -554,16 +557,18 @@ def _w8a8_rounding_max(path: Path) -> float:
             out.append(lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
         return torch.cat(out)
 
-    saved = os.environ.pop("ATOM_FP8_W8A8_MIN_TOKENS", None)
+    names = ("ATOM_FP8_W8A8_MIN_TOKENS", "ATOM_DISABLE_FP8_FUSED_ACT_QUANT")
+    saved = {name: os.environ.pop(name, None) for name in names}
     try:
         exact = prompt_logprobs(_atom_model(path))
-        os.environ["ATOM_FP8_W8A8_MIN_TOKENS"] = "1"
+        os.environ.update(ATOM_FP8_W8A8_MIN_TOKENS="1", ATOM_DISABLE_FP8_FUSED_ACT_QUANT="1")
         rounded = prompt_logprobs(_atom_model(path))
     finally:
-        os.environ.pop("ATOM_FP8_W8A8_MIN_TOKENS", None)
-        if saved is not None:
-            os.environ["ATOM_FP8_W8A8_MIN_TOKENS"] = saved
-    return float((exact - rounded).abs().max())
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+    return prompt_error_profile((exact - rounded).abs().tolist())
 
 
 @pytest.mark.gpu
@@ -577,16 +582,21 @@ def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(fp8_checkpoint, kind,
     atom's distance to it may not exceed stock's by more than fp8 noise.
 
     Block-scaled checkpoints run atom twice: in W8A16 (``ATOM_FP8_W8A8_MIN_TOKENS=0``: exact
-    weights, only the experts quantise activations), held to 0.3 of the oracle; and by default,
-    held to 1.5x what fp8 activation rounding alone does to the same model
-    (:func:`_w8a8_rounding_max`). Measured on the H100 (vLLM 0.26), teacher-forced prompt mean /
-    max |d logprob| vs the oracle: per-tensor atom 0.036 / 0.148, stock 0.039 / 0.152; block dense
-    W8A16 atom 0.0065 / 0.024, default 0.057 / 0.251 (stock on CUTLASS 0.058 / 0.230); block MoE
-    W8A16 atom 0.024 / 0.214, default 0.065 / 1.12, stock 0.509 / 2.96 (stock 0.26's Triton
-    block-fp8 MoE is far from the exact weights at this tiny shape, so atom vs stock is asserted
-    only where stock is near the oracle). Rounding alone (CPU, fp32): dense max 0.33, MoE 0.86.
-    The tiny random model's near-ties flip under fp8 activation rounding, so the logprob bounds
-    are the check and the agreement floor only catches a broken run."""
+    weights, only the experts quantise activations), held to 0.3 of the oracle at every position;
+    and by default (W8A8 on the prefill), held to 1.5x the mean and 95th percentile of what fp8
+    activation rounding alone does to the same model (:func:`_w8a8_rounding`), its max only to
+    stock's. The max is left out there because W8A8 rounding flips some of the tiny random MoE's
+    router near-ties (21 of its 330 token-layer top-2 picks on the CPU), a flip moves one
+    position's logprob by up to about 1, and which ties flip depends on the machine's arithmetic:
+    the same CPU rounding measured max 0.86 on a development machine and 0.42 on the H100 host,
+    mean 0.068 / 0.059. Measured on the H100 (vLLM 0.26), teacher-forced prompt mean / max
+    |d logprob| vs the oracle: per-tensor atom 0.036 / 0.148, stock 0.039 / 0.152; block dense
+    W8A16 atom 0.0085 / 0.047, default 0.056 / 0.203 (p95 0.15; stock on CUTLASS 0.058 / 0.230);
+    block MoE W8A16 atom 0.025 / 0.159, default 0.065 / 1.12 (p95 0.20; 2 of 157 positions over
+    0.3), stock 0.509 / 2.96 (93 over 0.3: stock 0.26's Triton block-fp8 MoE is far from the exact
+    weights at this tiny shape, so atom vs stock is asserted only where stock is near the oracle).
+    A mutant scaling the fused activation scale by 1.5 measured 0.169 / 0.80 (caught by the mean;
+    its max is below the correct code's). The agreement floor only catches a broken run."""
     from atom.testing.tiny_models import write_dequantized
 
     path = fp8_checkpoint(kind)
@@ -609,11 +619,13 @@ def test_gpu_vllm_engine_fp8_checkpoint_close_to_stock_fp8(fp8_checkpoint, kind,
     if "block" in kind:
         a16 = _engine_process_run(path, prompts, tmp_path / "atom-a16", atom=True,
                                   env_extra={**atom_env, "ATOM_FP8_W8A8_MIN_TOKENS": "0"})
-        rounding = _w8a8_rounding_max(path)
+        rounding = _w8a8_rounding(path)
         print(f"fp8 engine {kind}: atom W8A16 vs the oracle {greedy_run_stats(a16, oracle)}; "
-              f"fp8 activation rounding alone (CPU) max {rounding:.3f}")
+              f"fp8 activation rounding alone (CPU) {rounding}")
         assert_close_greedy_run(a16, oracle, 0.3, prompt_atol=0.3, prompt_mean_atol=0.04, min_agreeing=0.2)
-        prompt_atol = max(0.3, 1.5 * rounding)
+        assert atom_err["prompt_mean"] <= 1.5 * rounding["prompt_mean"] + 0.01, (atom_err, rounding)
+        assert atom_err["prompt_p95"] <= max(0.3, 1.5 * rounding["prompt_p95"]), (atom_err, rounding)
+        prompt_atol = max(0.3, 1.5 * stock_err["prompt_max"] + 0.05)  # the max: as asserted above
     assert_close_greedy_run(ours, oracle, 0.3, prompt_atol=prompt_atol, prompt_mean_atol=0.08, min_agreeing=0.2)
     if stock_err["prompt_mean"] <= 0.1:  # atom vs stock means something only where stock is right
         assert_close_greedy_run(ours, stock, 0.3, prompt_atol=0.3, prompt_mean_atol=0.08, min_agreeing=0.2)
