@@ -19,7 +19,8 @@ with CUDA events.
 Cases: paged decode (Qwen3-8B: 32 q / 8 kv heads, D=128, block 16; batch 1/32/128 x context
 2k/8k), prefill (one 4096-token causal sequence, same dims), MLA decode (128 heads, 512+64
 latent, batch 32/128 x context 2k/8k), fused MoE (Qwen3-30B-A3B: 128 experts, top-8, hidden
-2048, inter 768; batch 1..256 and 4096). vLLM imports are all guarded: a missing vLLM or
+2048, inter 768; batch 1..256 and 4096), and one EP=2 rank of those experts (64 local; atom's tiles
+by tokens per global expert vs by the local count). vLLM imports are all guarded: a missing vLLM or
 kernel leaves its column empty with the reason in the JSON.
 """
 
@@ -36,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-OPS = ("decode", "prefill", "mla", "moe", "moe_fp8", "moe_tiles")
+OPS = ("decode", "prefill", "mla", "moe", "moe_fp8", "moe_tiles", "moe_ep")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -548,6 +549,39 @@ class Bench:
                     row = Row("moe-tile" + ("-fp8" if fp8 else ""),
                               f"T={t} {cfg.block_n1},{cfg.block_n2},{cfg.kb}x{cfg.g},w{cfg.num_warps}", **fields)
                     self.run_case(row, lambda: fused_moe_fwd(*args, out=out, config=cfg, **kw), None)
+
+    def moe_ep(self) -> None:
+        """One rank of EP=2 (the first half of the experts local, the expert map over all of
+        them), bf16 and fp8: atom's default, whose tiles count tokens per global expert, and the
+        tiles the local count chose before (``by-local``; bench/NOTES.md entry 22). Each batch
+        routes over all the experts, as every rank sees it."""
+        from atom.ops.moe import fused_moe
+        from atom.ops.moe_triton import fused_moe_fwd, moe_config
+
+        torch = self.torch
+        for fp8 in (False, True):
+            for t in ([64] if self.dry else [32, 64, 256, 1024, 2048]):
+                (x, w13, w2, tw, ti), kw, fields, (experts, top_k) = self._moe_case(t, fp8)
+                local = experts // 2
+                em = torch.full((experts,), -1, dtype=torch.int32, device=self.device)
+                em[:local] = torch.arange(local, dtype=torch.int32, device=self.device)
+                args = (x, w13[:local], w2[:local], tw, ti)
+                kw = dict(kw, expert_map=em)
+                if fp8:
+                    kw.update(w13_scale=kw["w13_scale"][:local], w2_scale=kw["w2_scale"][:local])
+                used = int(torch.unique(ti[ti < local]).numel())
+                el = 1 if fp8 else torch.finfo(self.dtype).bits // 8
+                fields = dict(fields, bytes=used * 3 * x.shape[1] * w2.shape[2] * el + 2 * x.numel() * 2,
+                              flops=fields["flops"] / 2)
+                quant = 128 if fp8 else None
+                new, old = (moe_config(t, top_k, n, quant, self.dtype) for n in (experts, local))
+                name = "moe-ep-fp8" if fp8 else "moe-ep"
+                out = torch.empty_like(x)
+                for label, cfg in (("", None), (" by-local", old)):
+                    case = f"T={t} {local}/{experts} k={top_k}{label}" + (" same-tiles" if new == old else "")
+                    self.run_case(Row(name, case, **fields),
+                                  lambda cfg=cfg: fused_moe_fwd(*args, out=out, config=cfg, **kw),
+                                  lambda: fused_moe.run("torch", *args, **kw))
 
     def _vllm_moe(self, x, w13, w2, tw, ti, **kw):
         def make():

@@ -329,12 +329,13 @@ def align_chunk(num_pairs: int) -> int:
 MOE_CONFIG_EDGES = (4, 16, 64, 128)
 
 
-def warm_up_token_counts(top_k: int, num_local: int) -> list[int]:
+def warm_up_token_counts(top_k: int, num_experts: int) -> list[int]:
     """Batch sizes that meet every tile bucket of :func:`moe_config` (just below and above each
-    edge) and every ``CHUNK`` of the align kernel (pairs in each power-of-two bucket up to 1024)."""
+    edge) and every ``CHUNK`` of the align kernel (pairs in each power-of-two bucket up to 1024);
+    ``num_experts``: the global count (the expert map's length under EP), as the buckets use."""
     counts = {1}
     for edge in MOE_CONFIG_EDGES:
-        t = max(1, edge * num_local // top_k)
+        t = max(1, edge * num_experts // top_k)
         counts |= {t, t + 1}
     chunk = 16
     while chunk <= 1024:
@@ -353,7 +354,8 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, a
     :func:`fused_moe_fwd` keywords (expert_map, fp8 scales, biases, activation); the tokens are
     ``act_dtype`` zeros. Returns the number of launches."""
     hidden, dev = w13.shape[2], w13.device
-    counts = warm_up_token_counts(top_k, w13.shape[0])
+    expert_map = kwargs.get("expert_map")
+    counts = warm_up_token_counts(top_k, expert_map.numel() if expert_map is not None else w13.shape[0])
     for t in counts:
         x = torch.zeros(t, hidden, dtype=act_dtype, device=dev)
         ids = (torch.arange(t * top_k, device=dev, dtype=torch.int32) % num_experts).view(t, top_k)
@@ -411,7 +413,9 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             w13_scale, w2_scale, (scale_bn, scale_bk) if fp8 else None, w13_bias, w2_bias,
             activation, swiglu_alpha, swiglu_limit, x_fp8, x_fp8_scale,
             config or gemv_config(scale_bk if fp8 else None, x.dtype))
-    cfg = config or moe_config(num_tokens, top_k, num_local, scale_bk if fp8 else None, x.dtype)
+    # Tokens per expert from the global count: under EP every rank sees all the step's tokens but
+    # only its own experts' pairs, so pairs / local experts would be EP times too many.
+    cfg = config or moe_config(num_tokens, top_k, num_global, scale_bk if fp8 else None, x.dtype)
     bm = cfg.block_m
     upcast, prec = dot_flags(x.dtype)
     dev = x.device

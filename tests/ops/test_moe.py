@@ -140,6 +140,23 @@ def test_fused_moe_expert_map_with_missing_experts(top_k):
     assert out[0].abs().max() == 0
 
 
+def test_fused_moe_tile_bucket_counts_the_global_experts(monkeypatch):
+    """Under EP the grouped path picks its tiles by tokens per *global* expert: every rank sees
+    all of the step's tokens but only its own experts' pairs (about 1/EP of them), so dividing by
+    the local count would put the rank EP times too high in the buckets. 12 global experts, 5
+    here: the configuration is asked for with 12; the output still matches the reference."""
+    from atom.ops import moe_triton as mt
+
+    asked, real = [], mt.moe_config
+    monkeypatch.setattr(mt, "moe_config", lambda t, k, e, *a, **kw: asked.append((t, k, e)) or real(t, k, e, *a, **kw))
+    args, kw = make_moe(40, 48, 24, 5, 2, torch.bfloat16, seed=5, global_experts=12)
+    expert_map = torch.full((12,), -1, dtype=torch.int32)
+    expert_map[torch.tensor([0, 3, 4, 8, 10])] = torch.arange(5, dtype=torch.int32)
+    out, ref = run_moe(args, dict(kw, expert_map=expert_map.to(DEV)))
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert asked == [(40, 2, 12)]
+
+
 def test_routing_keeps_expert_ids_valid_for_nan_logits():
     """vLLM's warm-up passes before CUDA-graph capture feed uninitialised all-reduce outputs
     through the model (its custom all-reduce returns ``empty_like`` there): NaN router logits
