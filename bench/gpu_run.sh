@@ -56,7 +56,10 @@
 #            uniform): routers with Zipf-like expert popularity (bench/e2e_models.py router_row_scales; 0.2
 #            puts the hottest expert at ~3.5x the mean load), checkpoint and label suffixed -zipf<skew>. AB_CONC may be
 #            a comma list (cells interleaved in the same engines). AB_LAUNCHES (default 1): fresh engine launches per side in
-#            this one command, AB_ROUNDS rounds each. -> $OUT/ab_<model>[_c<C>].json, .txt
+#            this one command, AB_ROUNDS rounds each. AB_SIDES (comma list of stock, atom, old; default all):
+#            start only those sides, e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
+#            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
+#            MoE; the sides start one after another). -> $OUT/ab_<model>[_c<C>].json, .txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 #   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
@@ -165,6 +168,11 @@ for step in "$@"; do
             sides=(--side "stock:ATOM_DISABLE_VLLM_PLUGIN=1,PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-stock"
                    --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom${fp8_atom:-}")
             [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")
+            if [ -n "${AB_SIDES:-}" ]; then  # only these sides (e.g. a cold fill of one side per call)
+                keep=(); for ((i = 1; i < ${#sides[@]}; i += 2)); do
+                    case ",$AB_SIDES," in *",${sides[i]%%:*},"*) keep+=(--side "${sides[i]}") ;; esac; done
+                sides=("${keep[@]}")
+            fi
             timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m-L$l" "${sides[@]}" \
                 --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" \
                 --window "${AB_WINDOW:-15}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
