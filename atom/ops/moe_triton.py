@@ -352,10 +352,10 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, a
     served batch of that size (batches above vLLM's largest CUDA-graph size are never captured,
     and a 1,024-2,048-token prefill chunk otherwise stalls on the JIT). ``kwargs``: the layer's
     :func:`fused_moe_fwd` keywords (expert_map, fp8 scales, biases, activation); the tokens are
-    ``act_dtype`` zeros. Returns the number of launches."""
+    ``act_dtype`` zeros; ``num_experts``: the global count (the expert map's length under EP),
+    which routes the zeros and sets the tile buckets. Returns the number of launches."""
     hidden, dev = w13.shape[2], w13.device
-    expert_map = kwargs.get("expert_map")
-    counts = warm_up_token_counts(top_k, expert_map.numel() if expert_map is not None else w13.shape[0])
+    counts = warm_up_token_counts(top_k, num_experts)
     for t in counts:
         x = torch.zeros(t, hidden, dtype=act_dtype, device=dev)
         ids = (torch.arange(t * top_k, device=dev, dtype=torch.int32) % num_experts).view(t, top_k)

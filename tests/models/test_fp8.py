@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
+from unittest import mock
 
 import pytest
 import torch
@@ -557,17 +558,12 @@ def _w8a8_rounding(path: Path) -> dict[str, float]:
             out.append(lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
         return torch.cat(out)
 
-    names = ("ATOM_FP8_W8A8_MIN_TOKENS", "ATOM_DISABLE_FP8_FUSED_ACT_QUANT")
-    saved = {name: os.environ.pop(name, None) for name in names}
-    try:
+    with mock.patch.dict(os.environ):  # restored on exit
+        for name in ("ATOM_FP8_W8A8_MIN_TOKENS", "ATOM_DISABLE_FP8_FUSED_ACT_QUANT"):
+            os.environ.pop(name, None)
         exact = prompt_logprobs(_atom_model(path))
         os.environ.update(ATOM_FP8_W8A8_MIN_TOKENS="1", ATOM_DISABLE_FP8_FUSED_ACT_QUANT="1")
         rounded = prompt_logprobs(_atom_model(path))
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None)
-            if value is not None:
-                os.environ[name] = value
     return prompt_error_profile((exact - rounded).abs().tolist())
 
 
