@@ -332,7 +332,7 @@ MOE_CONFIG_EDGES = (4, 16, 64, 128)
 def warm_up_token_counts(top_k: int, num_experts: int) -> list[int]:
     """Batch sizes that meet every tile bucket of :func:`moe_config` (just below and above each
     edge) and every ``CHUNK`` of the align kernel (pairs in each power-of-two bucket up to 1024);
-    ``num_experts``: the global count (the expert map's length under EP), as the buckets use."""
+    ``num_experts``: the count the buckets divide by (the local experts, also under EP)."""
     counts = {1}
     for edge in MOE_CONFIG_EDGES:
         t = max(1, edge * num_experts // top_k)
@@ -353,9 +353,10 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, a
     and a 1,024-2,048-token prefill chunk otherwise stalls on the JIT). ``kwargs``: the layer's
     :func:`fused_moe_fwd` keywords (expert_map, fp8 scales, biases, activation); the tokens are
     ``act_dtype`` zeros; ``num_experts``: the global count (the expert map's length under EP),
-    which routes the zeros and sets the tile buckets. Returns the number of launches."""
+    which routes the zeros; the tile buckets count the local experts (``w13``'s), as
+    :func:`fused_moe_fwd` does. Returns the number of launches."""
     hidden, dev = w13.shape[2], w13.device
-    counts = warm_up_token_counts(top_k, num_experts)
+    counts = warm_up_token_counts(top_k, w13.shape[0])
     for t in counts:
         x = torch.zeros(t, hidden, dtype=act_dtype, device=dev)
         ids = (torch.arange(t * top_k, device=dev, dtype=torch.int32) % num_experts).view(t, top_k)
@@ -413,9 +414,11 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             w13_scale, w2_scale, (scale_bn, scale_bk) if fp8 else None, w13_bias, w2_bias,
             activation, swiglu_alpha, swiglu_limit, x_fp8, x_fp8_scale,
             config or gemv_config(scale_bk if fp8 else None, x.dtype))
-    # Tokens per expert from the global count: under EP every rank sees all the step's tokens but
-    # only its own experts' pairs, so pairs / local experts would be EP times too many.
-    cfg = config or moe_config(num_tokens, top_k, num_global, scale_bk if fp8 else None, x.dtype)
+    # Tiles by pairs / *local* experts, also under EP, where that is EP times the true tokens per
+    # expert: dividing by the global count instead was measured on an EP=2 rank (H100, bench/NOTES.md
+    # entry 22) as a tie or a few % at most batch sizes and 1.46x slower for fp8 at 1,024 tokens
+    # (the table's 64-tokens-per-expert fp8 tile is the slow one there, not the count).
+    cfg = config or moe_config(num_tokens, top_k, num_local, scale_bk if fp8 else None, x.dtype)
     bm = cfg.block_m
     upcast, prec = dot_flags(x.dtype)
     dev = x.device

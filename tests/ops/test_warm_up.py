@@ -154,8 +154,8 @@ def test_mla_decode_warm_up_runs_once_per_shape(monkeypatch):
 
 def test_moe_layer_warm_up_keeps_its_output():
     """An EP-sharded layer (expert_map) warms up through its own keywords, at the batch sizes of
-    its global expert count (the tile buckets count tokens per global expert), and computes the
-    same afterwards."""
+    its local expert count (the tile buckets divide the pairs by the local experts), and computes
+    the same afterwards."""
     from atom.models._moe import FusedMoE
     from atom.models.interfaces import ModelParallel
 
@@ -170,7 +170,7 @@ def test_moe_layer_warm_up_keeps_its_output():
     before = layer(x, logits)
     assert layer.warm_up_kernels() == 0  # CPU: nothing to compile unless forced
     n = layer.warm_up_kernels(force=True)
-    assert n == len(moe_triton.warm_up_token_counts(2, 8)) != len(moe_triton.warm_up_token_counts(2, 4))
+    assert n == len(moe_triton.warm_up_token_counts(2, 4)) != len(moe_triton.warm_up_token_counts(2, 8))
     assert layer.warm_up_kernels(force=True) == 0
     torch.testing.assert_close(layer(x, logits), before)
 
