@@ -188,6 +188,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=5,
                    help="0: start every side, report start-up time and weight memory, stop (fills the caches)")
     p.add_argument("--window", type=float, default=20.0)
+    p.add_argument("--warmup", type=float, default=5.0,
+                   help="seconds of unmeasured load per side and cell after each launch (0: none)")
     p.add_argument("--launches", type=int, default=1,
                    help="engine launches per side in this run, each with --rounds rounds (the protocol asks for >= 3)")
     p.add_argument("--gpu-util", type=float, default=0.28)
@@ -215,6 +217,7 @@ def main(argv: list[str]) -> int:
                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=2))
         return 0
     results: dict[int, dict[str, list[dict]]] = {c: {name: [] for name, _ in sides} for c in concs}
+    warm: dict[int, dict[str, list[float]]] = {c: {name: [] for name, _ in sides} for c in concs}
     launch_facts: list[dict[str, dict]] = []
     all_logs: dict[str, list[Path]] = {name: [] for name in order}
     for launch in range(args.launches):
@@ -228,6 +231,17 @@ def main(argv: list[str]) -> int:
         clocks = Clocks()
         clocks.start()
         try:
+            # an unmeasured window per side and cell first: a fresh engine's first batches ran at
+            # ~60 % of its later ones (docs/performance.md), which one round per launch would count
+            for conc in concs if args.warmup > 0 else []:
+                for name in order:
+                    procs[name].stdin.write(json.dumps({"seed": 999_999 + launch, "seconds": args.warmup,
+                                                        "conc": conc}) + "\n")
+                    procs[name].stdin.flush()
+                    line = next((ln for ln in procs[name].stdout if ln.startswith("RESULT ")), None)
+                    if line is None:
+                        raise SystemExit(f"side {name} died: {logs[name].read_text()[-3000:]}")
+                    warm[conc][name].append(round(json.loads(line[7:])["tok_s"], 1))
             for r in range(args.rounds):
                 for conc in concs:
                     for name in order[r % len(order):] + order[: r % len(order)]:
@@ -252,7 +266,7 @@ def main(argv: list[str]) -> int:
     facts = {name: {**launch_facts[-1][name],
                     "ready_s_per_launch": [f[name]["ready_s"] for f in launch_facts]} for name in order}
     for conc in concs:
-        record = _record(args, sides, order, conc, results[conc], facts, all_logs)
+        record = _record(args, sides, order, conc, results[conc], facts, all_logs, warm[conc])
         if args.json:
             path = Path(args.json)
             if len(concs) > 1:
@@ -291,12 +305,13 @@ def _start(sides: list, spec: dict, logdir: Path, suffix: str) -> tuple[dict, di
 
 
 def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[str, list[dict]],
-            facts: dict, logs: dict) -> dict[str, Any]:
+            facts: dict, logs: dict, warm: Optional[dict[str, list[float]]] = None) -> dict[str, Any]:
     """One cell's record (and its lines on stdout)."""
     ref = order[0]
     record: dict[str, Any] = {"gpu": gpu_name(),
         "label": args.label, "model": args.model, "in": args.in_len, "out": args.out_len, "conc": conc,
         "rounds": args.rounds, "window_s": args.window, "launches_per_side": args.launches, "reference": ref,
+        "warmup_s": args.warmup,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sides": {},
     }
     print(f"\n{args.label or args.model}: {args.in_len}/{args.out_len} at C={conc}, {args.launches} launch(es) x "
@@ -308,7 +323,8 @@ def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[s
         side = {"env": dict(sides[order.index(name)][1]), "tok_s": tok, "median": statistics.median(tok),
                 "min": min(tok), "max": max(tok), "facts": facts[name], "kernel_log_lines": kernels,
                 "throttled_windows": sum(1 for x in results[name] if x["clocks"].get("throttled_samples")),
-                "clocks": [x["clocks"] for x in results[name]]}
+                "clocks": [x["clocks"] for x in results[name]],
+                "warmup_tok_s": (warm or {}).get(name, [])}  # the unmeasured windows, one per launch
         line = f"  {name:<10} median {side['median']:9.0f} tok/s [{side['min']:.0f}, {side['max']:.0f}]"
         if name != ref:
             point, low, high = bootstrap_ratio(tok, [x["tok_s"] for x in results[ref]])

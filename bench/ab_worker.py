@@ -20,14 +20,22 @@ import time
 
 
 def versions() -> dict:
-    """The packages this side ran (atom: the version and where it was imported from)."""
+    """The packages this side ran (atom: the version and where it was imported from; flashinfer and
+    deep_gemm: absent when not staged, which changes the kernels stock vLLM may select)."""
     import importlib
 
     out = {}
-    for name in ("vllm", "torch", "triton", "atom"):
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
+    for name in ("vllm", "torch", "triton", "atom", "flashinfer", "deep_gemm"):
+        # vLLM prefers a separately installed deep_gemm and falls back to the copy in its wheel
+        mods = ("deep_gemm", "vllm.third_party.deep_gemm") if name == "deep_gemm" else (name,)
+        for mod_name in mods:
+            try:
+                mod = importlib.import_module(mod_name)
+                break
+            except Exception:  # not staged, or staged without what it needs to import
+                mod = None
+        if mod is None:
+            out[name] = None
             continue
         out[name] = getattr(mod, "__version__", "?")
         if name == "atom":

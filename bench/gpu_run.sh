@@ -44,7 +44,7 @@
 #   ab       bench/ab.py (the speed protocol: sides alive at once on the GPU, interleaved windows,
 #            bootstrap intervals, clocks) on AB_MODEL (dense | moe | mla, AB_LAYERS default 4,
 #            built under /tmp/atom-e2e-models), 128/128 at C=AB_CONC (default 32), AB_ROUNDS (5)
-#            windows of AB_WINDOW s (15). Sides: stock (atom installed, ATOM_DISABLE_VLLM_PLUGIN=1),
+#            windows of AB_WINDOW s (15), after AB_WARMUP s (5) unmeasured per side, cell and launch. Sides: stock (atom installed, ATOM_DISABLE_VLLM_PLUGIN=1),
 #            atom (the wheel in .stage/tools, installed into /tmp/atom-new) and, when
 #            .stage/tools/old holds a wheel, old (installed into /tmp/atom-old): a before/after
 #            check of one atom change. Each side has its own compile cache. AB_FP8=1: the checkpoint
@@ -73,7 +73,10 @@ set -uo pipefail
 # /tmp/site-serve (the `serve-deps` step): modules `vllm serve` needs that the staged vLLM lacks,
 # after /tmp/site and the machine's own packages in the search order, so they only fill gaps.
 export PYTHONPATH=/tmp/site:/tmp/site-serve HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-       VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+       PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# vLLM builds its top-k/top-p sampler with an unguarded FlashInfer import: off only when FlashInfer is
+# not staged (with it staged, stock keeps its own default; greedy decoding never runs that kernel)
+[ -d /tmp/site/flashinfer ] || export VLLM_USE_FLASHINFER_SAMPLER=0
 # JIT caches under /tmp, which outlives one command while the machine stays warm (DeepGEMM's is
 # under each side's VLLM_CACHE_ROOT): `AB_ROUNDS=0 ... ab` fills them, the next call measures
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton-cache}"
@@ -175,7 +178,7 @@ for step in "$@"; do
             fi
             timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m-L$l" "${sides[@]}" \
                 --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" \
-                --window "${AB_WINDOW:-15}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
+                --window "${AB_WINDOW:-15}" --warmup "${AB_WARMUP:-5}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
                 --engine "${AB_ENGINE:-{\}}" \
                 --json "$OUT/ab_$m.json" > "$OUT/ab_$m.txt" 2>&1
             for f in /tmp/ab-logs-$m/*.log; do  # each side's errors, kernel choices and start-up stages (flat copies)

@@ -47,7 +47,7 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(BENCH / "ab.py"), "--model", str(model), "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1",
          "--side", "atom:ATOM_ENABLE_ON_CPU=1", "--in", "16", "--out", "8", "--conc", "4", "--rounds", "1", "--launches", "2",
-         "--window", "0.5", "--gpu-util", "0.2", "--vocab", "1000", "--logdir", str(tmp_path / "logs"),
+         "--window", "0.5", "--warmup", "0.3", "--gpu-util", "0.2", "--vocab", "1000", "--logdir", str(tmp_path / "logs"),
          "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}), "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
         env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
@@ -57,6 +57,8 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     stock, atom = record["sides"]["stock"], record["sides"]["atom"]
     # two launches of one round each: fresh engines per launch, every window counted
     assert len(stock["tok_s"]) == len(atom["tok_s"]) == 2 and record["reference"] == "stock"
+    # one unmeasured warm-up window per side and launch, kept apart from the measured ones
+    assert len(stock["warmup_tok_s"]) == len(atom["warmup_tok_s"]) == 2 and record["warmup_s"] == 0.3
     assert record["launches_per_side"] == 2 and len(atom["facts"]["ready_s_per_launch"]) == 2
     assert [c.get("samples") is not None for c in atom["clocks"]] == [True, True]
     assert (tmp_path / "logs" / "atom.launch2.log").read_text().count("Initializing a V1 LLM engine") == 1
