@@ -47,8 +47,13 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h100_2026-11-24d/ab_dense-fp8_c1.json"},
     {"path": "bench/results/h100_2026-11-24d/ab_dense-fp8_c64.json"},
     {"path": "bench/results/h100_2026-11-24b/ab_dense-fp8_c256.json"},
-    {"path": "bench/results/h100_2026-11-24b/ab_moe-fp8_c1.json"},
-    {"path": "bench/results/h100_2026-11-24b/ab_moe-fp8_c128.json"},
+    # MoE fp8 (Qwen3-30B-A3B dims, 4 layers): two launches per side of 20-s windows after an
+    # unmeasured warm-up window, stock with FlashInfer staged (2026-11-27b; replaces 2026-11-24b's
+    # one launch of 8-s windows without FlashInfer)
+    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch1_c1.json"},
+    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch2_c1.json"},
+    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch1_c128.json"},
+    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch2_c128.json"},
     # fp8 at the issue's other dims (2026-11-24e): DeepSeek-V3 dims (two launches, pooled),
     # Qwen3-235B-A22B and Qwen3-32B dims
     {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_c1.json"},
@@ -85,6 +90,11 @@ def _facts(rec: dict, entry: dict) -> tuple[str, dict, list[str]]:
     if not versions:
         versions, supplied = dict(assumed.get("versions", {})), supplied + ["versions"]
     return gpu, versions, supplied
+
+
+def _flashinfer(versions: dict) -> str:
+    """The table's note that FlashInfer was staged (vLLM may select other kernels with it)."""
+    return f" + FlashInfer {versions['flashinfer']}" if versions.get("flashinfer") else ""
 
 
 def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dict[str, Any]:
@@ -145,7 +155,7 @@ def render(latest: dict[str, Any]) -> str:
             lines.append(
                 f"| {c['model']} | {c['cell']} | {n} | {s['median_tok_s']:,.0f} | {vs} | {s.get('verdict', '-')} "
                 f"| {c['launches_per_side']} x {s['windows']} | {s['throttled_windows']} | {ran} "
-                f"| {c['gpu']}, {c['versions'].get('vllm', '?')} | {', '.join(d[:10] for d in sorted(set(c['dates'])))} |")
+                f"| {c['gpu']}, {c['versions'].get('vllm', '?')}{_flashinfer(c['versions'])} | {', '.join(d[:10] for d in sorted(set(c['dates'])))} |")
     return "\n".join(lines)
 
 
