@@ -53,6 +53,10 @@ VLLM_CLASSES = {
     "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM": "vllm.model_executor.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "LlamaForCausalLM": "vllm.model_executor.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "vllm.model_executor.models.mixtral:MixtralForCausalLM",
+    "Glm4MoeForCausalLM": "vllm.model_executor.models.glm4_moe:Glm4MoeForCausalLM",
+    "GptOssForCausalLM": "vllm.model_executor.models.gpt_oss:GptOssForCausalLM",
 }
 
 
@@ -190,12 +194,21 @@ def near_ties(ref: dict) -> float:
     return bad / total
 
 
-def run_config(name: str, base: dict, env: dict[str, str], workdir: Path, timeout: float) -> dict:
+def run_config(name: str, base: dict, env: dict[str, str], workdir: Path, timeout: float,
+               cache_root: Optional[str] = None) -> dict:
+    """One config's engine in a subprocess; ``cache_root``: its ``VLLM_CACHE_ROOT``, ``{side}``
+    replaced by stock / atom (None: the environment's)."""
     cfg = config_spec(name)
     spec = dict(base, config=cfg)
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     child_env = {**e2e_common.side_env(cfg["side"], env), **cfg["env"]}
+    if cfg["side"] == "atom":
+        # atom on is the switch absent, as bench/ab.py's atom side runs it: a set "0" would be one more
+        # factor of atom's compile-cache key (atom.plugin.vllm.platform.compile_cache_factors)
+        child_env.pop("ATOM_DISABLE_VLLM_PLUGIN", None)
+    if cache_root:
+        child_env["VLLM_CACHE_ROOT"] = cache_root.format(side=cfg["side"])
     t0 = time.time()
     log_path = workdir / f"{name}.log"
     with open(log_path, "w") as f:
@@ -238,6 +251,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--budget", type=float, default=560, help="seconds; no new config starts after this")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny fp32 model, few prompts")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--cache-root", default=None,
+                    help="VLLM_CACHE_ROOT per engine, '{side}' replaced by stock / atom (e.g. "
+                         "/tmp/vcache-{side}: bench/gpu_run.sh ab's, whose engines then find these compiled "
+                         "graphs when their settings hash alike)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -273,7 +290,7 @@ def main(argv: list[str]) -> int:
             ref_rows = workdir / "reference_rows.json"
             spec["reference_rows"] = str(ref_rows)
         print(f"[agree {time.strftime('%H:%M:%S')}] {name} ...", flush=True)
-        results[name] = run_config(name, spec, env, workdir, args.timeout)
+        results[name] = run_config(name, spec, env, workdir, args.timeout, args.cache_root)
         r = results[name]
         if i == 0 and "rows" in r:
             (workdir / "reference_rows.json").write_text(json.dumps(r["rows"]))

@@ -40,9 +40,42 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
         num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6,
     ), 2),
+    # The architectures atom serves that had not run on a GPU (issue #17), at their released
+    # models' dims, few layers (a quick cold start; each fits one H100 with room for a second side).
+    # Llama-3.1-8B: GQA 32/8 and its llama3 RoPE scaling (the low frequencies interpolated).
+    "llama": ("LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ), 4),
+    # Mixtral-8x7B: 8 experts of 14336, top-2, no sliding window (as released)
+    "mixtral": ("MixtralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+    ), 2),
+    # GLM-4.5-Air: layer 0 dense, then 128 experts top-8 (sigmoid, one group) + a shared expert;
+    # 96 query heads of 128 (wider than hidden), half of each head rotated, q/k/v biases
+    "glm4moe": ("Glm4MoeConfig", dict(
+        hidden_size=4096, intermediate_size=10944, num_attention_heads=96, num_key_value_heads=8,
+        head_dim=128, moe_intermediate_size=1408, n_routed_experts=128, num_experts_per_tok=8,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+        norm_topk_prob=True, use_qk_norm=False, attention_bias=True, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+    ), 3),
+    # GPT-OSS-20B in bf16 (the release is MXFP4): 32 experts top-4 with biases and the clamped
+    # SwiGLU, sinks, layers alternating a 128-token window and full attention, transformers'
+    # default YaRN
+    "gptoss": ("GptOssConfig", dict(
+        hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128, rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+    ), 4),
 }
 #: --smoke: atom.testing.tiny_models kinds standing in for each model.
-SMOKE_KINDS = {"dense": "qwen3", "moe": "qwen3_moe", "mla": "deepseek_v3"}
+SMOKE_KINDS = {"dense": "qwen3", "moe": "qwen3_moe", "mla": "deepseek_v3", "llama": "llama",
+               "mixtral": "mixtral", "glm4moe": "glm4_moe", "gptoss": "gpt_oss"}
 
 
 def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int, init_std: float,
@@ -66,9 +99,10 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
     kwargs = dict(kwargs, num_hidden_layers=layers)
     if name == "mla":
         kwargs["n_routed_experts"] = mla_experts
-    cfg = getattr(transformers, cls_name)(
-        vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
-        max_position_embeddings=8192, initializer_range=init_std, torch_dtype="bfloat16", **kwargs)
+    # a model's own max_position_embeddings (its RoPE scaling's context) over the default
+    cfg = getattr(transformers, cls_name)(**{
+        "max_position_embeddings": 8192, **kwargs, "vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 0,
+        "pad_token_id": 0, "tie_word_embeddings": False, "initializer_range": init_std, "torch_dtype": "bfloat16"})
     params = write_random_checkpoint(cfg, out, init_std, router_skew=router_skew)
     if name == "mla":  # transformers 5 drops these; vLLM needs them for the correction bias
         c = json.loads((out / "config.json").read_text())
@@ -85,12 +119,19 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
 
 def _one_d_init(name: str) -> float:
     """HF's init of a model's 1-D parameters in the e2e architectures: norm weights 1, the rest
-    (DeepSeek's ``e_score_correction_bias``, any bias) 0."""
+    (DeepSeek's / GLM's ``e_score_correction_bias``, any bias) 0. GPT-OSS's attention sinks are
+    drawn instead (:data:`SINKS_SUFFIX`)."""
     return 1.0 if name.endswith("norm.weight") else 0.0
 
 
-#: A MoE router's weight in the e2e architectures (Qwen3-MoE, DeepSeek-V3): ``[experts, hidden]``.
-ROUTER_SUFFIX = ".mlp.gate.weight"
+#: GPT-OSS's per-head attention sinks (1-D), drawn N(0, 1) rather than set to a constant: O(1)
+#: logits as in the released model, different per head, so that a sink dropped or applied to
+#: the wrong head changes the agreement runs' logprobs (atom.testing.tiny_models draws them so too).
+SINKS_SUFFIX = ".self_attn.sinks"
+
+#: A MoE router's weight as the checkpoints name it: ``[experts, hidden]`` (Qwen3-MoE, DeepSeek-V3,
+#: GLM-4-MoE: ``mlp.gate``; Mixtral: ``block_sparse_moe.gate``; GPT-OSS: ``mlp.router``, with a bias).
+ROUTER_SUFFIXES = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".mlp.router.weight")
 
 
 def router_row_scales(num_experts: int, skew: float) -> Any:
@@ -131,7 +172,7 @@ def _first_router(folder: Path) -> Any:
     from safetensors import safe_open
 
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    name = next(n for n in index if n.endswith(ROUTER_SUFFIX))
+    name = next(n for n in index if n.endswith(ROUTER_SUFFIXES))
     with safe_open(str(folder / index[name]), "pt") as st:
         return st.get_tensor(name)
 
@@ -142,16 +183,17 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
     HF model: parameter names and shapes come from a model built on the meta device; matrices
     are N(0, init_std) (drawn on the GPU when there is one: a 36-layer 8B model takes seconds,
     not the minutes of HF's own init), 1-D parameters HF's init (:func:`_one_d_init`); MoE routers'
-    rows scaled by :func:`router_row_scales` when ``router_skew`` is set. Written as
-    ``model-0000i-of-0000n.safetensors`` shards + index, as ``save_pretrained`` does, with
-    ``config.json``. Returns the parameter count."""
+    rows scaled by :func:`router_row_scales` when ``router_skew`` is set; sinks N(0, 1).
+    Written as ``model-0000i-of-0000n.safetensors`` shards + index, as ``save_pretrained`` does
+    (its tensor names and layout: :func:`checkpoint_shapes`), with ``config.json``. Returns the
+    parameter count."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    shapes = checkpoint_shapes({n: tuple(p.shape) for n, p in model.state_dict().items()})
+    shapes = checkpoint_shapes({n: tuple(p.shape) for n, p in model.state_dict().items()}, cfg.model_type)
     cfg.architectures = [type(model).__name__]  # as save_pretrained records it (vLLM reads it)
     del model
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -161,8 +203,10 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
     for name, shape in shapes.items():
         if len(shape) >= 2:
             t = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, init_std, generator=gen)
-            if router_skew and name.endswith(ROUTER_SUFFIX) and len(shape) == 2:
+            if router_skew and name.endswith(ROUTER_SUFFIXES) and len(shape) == 2:
                 t = (t.float() * router_row_scales(shape[0], router_skew).to(dev)[:, None]).to(torch.bfloat16)
+        elif name.endswith(SINKS_SUFFIX):
+            t = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, 1.0, generator=gen)
         else:
             t = torch.full(shape, _one_d_init(name), dtype=torch.bfloat16, device=dev)
         nbytes = t.numel() * 2
@@ -184,23 +228,42 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
     return total
 
 
-def checkpoint_shapes(shapes: dict[str, tuple]) -> dict[str, tuple]:
+#: model_type -> (the MoE block's name in the checkpoint, its experts' gate / up / down names)
+#: where they differ from Qwen3-MoE's (``mlp``; ``gate_proj`` / ``up_proj`` / ``down_proj``).
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+#: model_types whose checkpoints keep the experts fused, as in memory (GPT-OSS: ``gate_up_proj``
+#: ``[E, H, 2I]`` with gate and up interleaved, ``down_proj`` ``[E, I, H]``, their biases).
+FUSED_EXPERTS = ("gpt_oss",)
+
+
+def checkpoint_shapes(shapes: dict[str, tuple], model_type: str = "") -> dict[str, tuple]:
     """The tensors ``save_pretrained`` writes for a model whose state dict is ``shapes``.
 
     transformers 5 keeps a MoE layer's experts fused in memory (``experts.gate_up_proj``
     ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``) and splits them on save into the
-    per-expert layout of the published checkpoints (``experts.<e>.{gate,up,down}_proj.weight``);
-    written fused, atom's loaders refuse the checkpoint (vLLM 0.26's accept it)."""
+    per-expert layout of the published checkpoints (``experts.<e>.{gate,up,down}_proj.weight``;
+    Mixtral's ``block_sparse_moe.experts.<e>.w1/w3/w2`` and ``block_sparse_moe.gate``:
+    :data:`EXPERT_NAMES`); written fused, atom's loaders refuse the checkpoint (vLLM 0.26's
+    accept it). GPT-OSS's checkpoints are fused (:data:`FUSED_EXPERTS`), as vLLM's loader reads them."""
+    if model_type in FUSED_EXPERTS:
+        return dict(shapes)
+    block, (gate, up, down) = EXPERT_NAMES.get(model_type, ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+    def expert_prefix(name: str, suffix: str) -> str:  # "model.layers.3.<block>.experts."
+        return name[: -len(suffix)].replace(".mlp.experts.", f".{block}.experts.")
+
     out: dict[str, tuple] = {}
     for name, shape in shapes.items():
         if name.endswith(".experts.gate_up_proj") and len(shape) == 3:
-            prefix, (e, two_i, h) = name[: -len("gate_up_proj")], shape
+            prefix, (e, two_i, h) = expert_prefix(name, "gate_up_proj"), shape
             for i in range(e):
-                out[f"{prefix}{i}.gate_proj.weight"] = out[f"{prefix}{i}.up_proj.weight"] = (two_i // 2, h)
+                out[f"{prefix}{i}.{gate}.weight"] = out[f"{prefix}{i}.{up}.weight"] = (two_i // 2, h)
         elif name.endswith(".experts.down_proj") and len(shape) == 3:
-            prefix, (e, h, inter) = name[: -len("down_proj")], shape
+            prefix, (e, h, inter) = expert_prefix(name, "down_proj"), shape
             for i in range(e):
-                out[f"{prefix}{i}.down_proj.weight"] = (h, inter)
+                out[f"{prefix}{i}.{down}.weight"] = (h, inter)
+        elif name.endswith(".mlp.gate.weight") and block != "mlp":
+            out[name.replace(".mlp.gate.weight", f".{block}.gate.weight")] = shape
         else:
             out[name] = shape
     return out

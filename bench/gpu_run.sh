@@ -60,6 +60,19 @@
 #            start only those sides, e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
 #            MoE; the sides start one after another). -> $OUT/ab_<model>[_c<C>].json, .txt
+#   archs    issue #17: the architectures atom serves that had not run on a GPU, each of ARCHS (default
+#            llama,mixtral; also glm4moe, gptoss: bench/e2e_models.py, random bf16 weights at Llama-3.1-8B,
+#            Mixtral-8x7B, GLM-4.5-Air, GPT-OSS-20B dims, 4 / 2 / 3 / 4 layers; AB_MODEL takes these names too)
+#            within ARCHS_BUDGET s (default 270; time one arch leaves, the next gets): bench/agreement.py
+#            --configs stock,atom (bf16, CUDA graphs, stock the reference: teacher-forced top-1 and |dlogprob|
+#            over ARCHS_PROMPTS prompts (default the largest ARCHS_CONC) of ARCHS_LENGTHS (128/128), the
+#            engine logs' kernel lines), then the ab step's cell on that checkpoint (sides stock and atom,
+#            AB_CONC=ARCHS_CONC (32), AB_ROUNDS=ARCHS_ROUNDS (2), AB_WINDOW=ARCHS_WINDOW (10)), started when
+#            ARCHS_AB_MIN s (150) are left. The agreement engines use the sides' compile caches
+#            (/tmp/vcache-stock, -atom) with the cell's engine settings, so the cell's engines start warm.
+#            ARCHS_PARTS (agree,ab): one part, e.g. ARCHS_PARTS=ab on the warm machine for a cell that did
+#            not fit. -> $OUT/archs/<arch>_agree.{json,txt}, <arch>_agree_{stock,atom}.log.txt,
+#            ab_<arch>.{json,txt}, ab_<arch>.{stock,atom}.log.txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 #   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
@@ -96,6 +109,19 @@ ab_profile() {
         echo "$var=$v"; grep -E "^\| |wall" "$OUT/$name/$v.txt" | head -10
     done
 }
+# wait_gpu_idle S: up to S seconds until no GPU holds more than 2 GiB (the engines of a run a
+# timeout ended may still be shutting down; the next engine sizes its KV cache from what is free)
+wait_gpu_idle() {
+    local end=$(( $(date +%s) + $1 )) used
+    while [ "$(date +%s)" -lt "$end" ]; do
+        used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1)
+        if [ -z "$used" ] || [ "$used" -lt 2048 ]; then return 0; fi
+        sleep 2
+    done
+    echo "GPU still holds $used MiB after $1 s"
+}
+# has_part NAME: NAME is one of the archs step's ARCHS_PARTS
+has_part() { case ",${ARCHS_PARTS:-agree,ab}," in *",$1,"*) return 0 ;; esac; return 1; }
 for step in "$@"; do
     echo "=== $step $(date +%T)"
     case "$step" in
@@ -185,6 +211,54 @@ for step in "$@"; do
                 grep -E "ERROR|Error|Traceback|atom\]|Selected|[Uu]sing|warmup|Model loading|took|Compil|CUDA graph" "$f" \
                     | tail -150 > "$OUT/ab_$m.$(basename "$f" .log).log.txt"; done
             tail -12 "$OUT/ab_$m.txt" ;;
+        archs) mkdir -p "$OUT/archs"; t_archs=$(date +%s); n=0
+            conc="${ARCHS_CONC:-32}"; lens="${ARCHS_LENGTHS:-128/128}"; archs="${ARCHS:-llama,mixtral}"
+            # max_logprobs as agreement.py's engines have it: the same compile-cache key (the cell asks no logprobs)
+            ab_engine='{"max_logprobs": 2}'
+            # as many prompts as the cell's engines take sequences, and its lengths: the same compile-cache key
+            prompts="${ARCHS_PROMPTS:-$(tr , '\n' <<< "$conc" | sort -n | tail -1)}"
+            ls .stage/tools/atom_vllm-*.whl >/dev/null 2>&1 && [ ! -d /tmp/atom-new ] && \
+                python3 -m pip install -q --no-index --no-deps --target /tmp/atom-new .stage/tools/atom_vllm-*.whl 2>&1 | tail -1
+            for a in ${archs//,/ }; do
+                n=$((n + 1)); end=$((t_archs + n * ${ARCHS_BUDGET:-270}))
+                [ $((end - $(date +%s))) -gt 60 ] || { echo "$a: skipped, under 60 s left of its budget"; continue; }
+                l=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from e2e_models import MODELS; print(MODELS['$a'][2])") \
+                    || { echo "$a: not a bench/e2e_models.py model"; continue; }
+                d="/tmp/atom-e2e-models/$a-L$l-v32000"; w="/tmp/archs-agree-$a"
+                echo "--- $a ($l layers) $(date +%T), until $(date -d "@$end" +%T)"
+                # disk (64 GiB): the other models' checkpoints go when under 40 GiB are free
+                if [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt 40 ]; then
+                    for c in /tmp/atom-e2e-models/*; do [ "$c" = "$d" ] || rm -rf "$c"; done
+                fi
+                timeout $((end - $(date +%s))) python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
+                    from e2e_models import build_model; print(build_model('$a', $l, Path('$d'), 32000, 64, 0.02))" 2>&1 | tail -1
+                half=$(( (end - $(date +%s) - 10) / 2 ))
+                if has_part agree && [ "$half" -lt 45 ]; then
+                    echo "$a: agreement not started ($half s per engine left)"
+                elif has_part agree; then
+                    # each engine at most half of what is left; atom's starts only if stock's ended within its half
+                    rm -rf "$w"
+                    PYTHONPATH=/tmp/atom-new:/tmp/site timeout $((2 * half + 5)) python3 bench/agreement.py --model "$d" \
+                        --configs stock,atom --prompts "$prompts" --lengths "$lens" --timeout "$half" --budget "$half" \
+                        --cache-root '/tmp/vcache-{side}' --workdir "$w" --out "$OUT/archs/${a}_agree.json" \
+                        > "$OUT/archs/${a}_agree.txt" 2>&1
+                    for s in stock atom; do  # kernel / backend choices and errors (flat copies)
+                        grep -E "Selected|Using|atom\]|ERROR|Error|Traceback" "$w/$s.log" 2>/dev/null | tail -150 \
+                            > "$OUT/archs/${a}_agree_$s.log.txt"; done
+                    grep -E "^\[agree|^reference|^\| (config|atom) " "$OUT/archs/${a}_agree.txt" | cut -c1-400 | tail -8
+                    wait_gpu_idle 90
+                fi
+                left=$((end - $(date +%s)))
+                if has_part ab && [ "$left" -lt "${ARCHS_AB_MIN:-150}" ]; then
+                    echo "$a: ab cell not started ($left s left of its budget): ARCHS=$a ARCHS_PARTS=ab on this machine"
+                elif has_part ab; then
+                    OUT="$OUT/archs" AB_MODEL="$a" AB_LAYERS="$l" AB_CONC="$conc" AB_IN="${lens%/*}" AB_OUT="${lens#*/}" \
+                        AB_ROUNDS="${ARCHS_ROUNDS:-2}" AB_WINDOW="${ARCHS_WINDOW:-10}" AB_LAUNCHES=1 AB_FP8=0 AB_ROUTER_SKEW=0 \
+                        AB_SIDES="${ARCHS_SIDES:-stock,atom}" AB_ENGINE="${ARCHS_AB_ENGINE:-$ab_engine}" \
+                        AB_TIMEOUT=$((left - 15)) bash "${BASH_SOURCE[0]}" ab
+                    wait_gpu_idle 90
+                fi
+            done ;;
         profile) mkdir -p "$OUT/profile"
               timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \
                   --json "$OUT/profile/profile.json" > "$OUT/profile/profile.txt" 2>&1

@@ -4,10 +4,13 @@ teacher-forced top-1 agreement on the reference's sequences."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from tests._bench import load_bench
-
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +51,38 @@ def test_config_names_map_to_env_and_unknown_names_fail(agreement):
     assert agreement.config_spec("vllm-model-atom-attn")["vllm_model"] is True
     with pytest.raises(SystemExit, match="unknown config 'atom-bogus'"):
         agreement.config_spec("atom-bogus")
+
+
+def test_model_kinds_are_the_e2e_models(agreement, capsys):
+    """--model-kind takes every bench/e2e_models.py model (the issue-#17 architectures included)."""
+    with pytest.raises(SystemExit) as exit_info:
+        agreement.main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "{" + ",".join(sorted(agreement.e2e_models.MODELS)) + "}" in text
+    for name in ("llama", "mixtral", "glm4moe", "gptoss"):
+        assert name in agreement.e2e_models.MODELS
+
+
+def test_cache_root_is_per_side_and_off_by_default(agreement, tmp_path, monkeypatch):
+    """--cache-root: each engine's VLLM_CACHE_ROOT with {side} its side (bench/gpu_run.sh archs: the
+    ab step's per-side caches); without it the engines keep the environment's. The compile-cache key
+    of an atom engine then matches the ab step's atom side's."""
+    seen, switch = {}, {}
+
+    def fake_run(argv, env, **kwargs):  # the engine subprocess: records its environment
+        seen[Path(argv[-1]).stem] = env.get("VLLM_CACHE_ROOT")
+        switch[Path(argv[-1]).stem] = env.get("ATOM_DISABLE_VLLM_PLUGIN")
+        Path(argv[-1]).write_text(json.dumps({"config": Path(argv[-1]).stem}))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(agreement.subprocess, "run", fake_run)
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    for name in ("stock", "atom"):
+        agreement.run_config(name, {}, {}, tmp_path, 10, "/tmp/vcache-{side}")
+    agreement.run_config("atom-eager", {}, {}, tmp_path, 10)
+    assert seen == {"stock": "/tmp/vcache-stock", "atom": "/tmp/vcache-atom", "atom-eager": None}
+    # atom on with the switch absent (even when the parent has it set), as ab.py's atom side: no
+    # ATOM_* variable the ab side lacks enters atom's compile-cache key
+    agreement.run_config("atom", {}, {"ATOM_DISABLE_VLLM_PLUGIN": "1"}, tmp_path, 10)
+    assert switch == {"stock": "1", "atom": None, "atom-eager": None}

@@ -1,6 +1,7 @@
 """bench/e2e.py's random checkpoint writer (bench/e2e_models.py): what it writes loads into HF transformers with no
 missing or unexpected tensor, matrices drawn at the requested std, 1-D parameters at HF's init
-(norm weights 1, DeepSeek's correction bias 0), for each architecture the benchmark builds."""
+(norm weights 1, DeepSeek's correction bias 0; GPT-OSS's sinks drawn), for each architecture the benchmark
+builds; each model is one atom serves, at its released model's dims."""
 
 from __future__ import annotations
 
@@ -16,7 +17,26 @@ TINY = {
     "mla": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
                 num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
                 v_head_dim=16, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2),
+    "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "mixtral": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4),
+    # 6 query heads of 16 (wider than hidden, as GLM-4.5-Air's 96 x 128 > 4096)
+    "glm4moe": dict(hidden_size=64, intermediate_size=128, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2),
+    # intermediate != hidden / 2 and != hidden: the fused [E, H, 2I] layout is not a split one's
+    "gptoss": dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                   num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
 }
+#: Every model the benchmarks build -> the architecture its checkpoint declares (atom serves each:
+#: test_every_model_is_an_architecture_atom_serves).
+ARCHITECTURES = {
+    "dense": "Qwen3ForCausalLM", "dense32": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM",
+    "moe235": "Qwen3MoeForCausalLM", "mla": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "gptoss": "GptOssForCausalLM",
+}
+#: The released models whose dims the issue-#17 entries take: (layers, vocab, published parameter count).
+RELEASED = {"llama": (32, 128256, 8.03e9), "mixtral": (32, 32000, 46.7e9), "glm4moe": (46, 151552, 106e9),
+            "gptoss": (24, 201088, 20.9e9)}
 
 
 def _tensor_shapes(folder) -> dict:
@@ -56,8 +76,49 @@ def test_random_checkpoint_loads_into_hf_with_hf_1d_init(e2e, name, tmp_path):
         t = t.float()
         if t.dim() >= 2:
             assert abs(t.std().item() - 0.05) < 0.01, pname
+        elif pname.endswith(e2e.SINKS_SUFFIX):  # per-head sinks N(0, 1): none zero, each head its own
+            assert t.abs().min() > 0 and t.std() > 0.3 and len(set(t.tolist())) == t.numel(), pname
         else:
             assert torch.equal(t, torch.full_like(t, 1.0 if pname.endswith("norm.weight") else 0.0)), pname
+    assert any(n.endswith(e2e.SINKS_SUFFIX) for n in model.state_dict()) == (name == "gptoss")
+
+
+def test_every_model_is_an_architecture_atom_serves(e2e):
+    """Each entry's config instantiates in transformers at its real dims (a model on the meta
+    device), declares the architecture expected of it, which atom's architecture table overrides
+    in vLLM with a model module present; SMOKE_KINDS' stand-in is a tiny kind of the same config."""
+    import transformers
+
+    from atom.plugin.models import BY_ARCH
+    from atom.testing.tiny_models import KINDS
+
+    assert sorted(e2e.MODELS) == sorted(ARCHITECTURES)
+    for name, (cls_name, kwargs, layers) in e2e.MODELS.items():
+        assert 1 <= layers <= 4, name  # a cold start that fits one GPU command
+        cfg = getattr(transformers, cls_name)(**{**kwargs, "num_hidden_layers": layers, "vocab_size": 32000})
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        assert type(model).__name__ == ARCHITECTURES[name], name
+        assert ARCHITECTURES[name] in BY_ARCH and BY_ARCH[ARCHITECTURES[name]].implemented(), name
+        assert "quantization_config" not in cfg.to_dict(), name  # plain bf16 (GPT-OSS's release is MXFP4)
+        if name in e2e.SMOKE_KINDS:
+            assert KINDS[e2e.SMOKE_KINDS[name]][0] == cls_name, name
+    assert set(RELEASED) <= set(e2e.SMOKE_KINDS)
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_new_models_have_their_released_models_dims(e2e, name):
+    """At the released model's depth and vocabulary, the entry's config has that model's published
+    parameter count (within 1.5 %; GLM-4.5-Air's without its MTP layer): the dims are the real ones."""
+    import transformers
+
+    cls_name, kwargs, _ = e2e.MODELS[name]
+    layers, vocab, published = RELEASED[name]
+    cfg = getattr(transformers, cls_name)(**{**kwargs, "num_hidden_layers": layers, "vocab_size": vocab,
+                                             "tie_word_embeddings": False})
+    with torch.device("meta"):
+        params = sum(t.numel() for t in transformers.AutoModelForCausalLM.from_config(cfg).state_dict().values())
+    assert abs(params / published - 1) < 0.015, (name, params)
 
 
 @pytest.mark.parametrize("name", ["moe", "mla"])
@@ -77,7 +138,7 @@ def test_router_skew_gives_zipf_like_expert_load(e2e, name, tmp_path):
     e2e.write_random_checkpoint(cfg, skewed, 0.05, router_skew=0.5)
     a = {k: v for f in plain.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     b = {k: v for f in skewed.glob("*.safetensors") for k, v in load_file(str(f)).items()}
-    routers = [k for k in a if k.endswith(e2e.ROUTER_SUFFIX)]
+    routers = [k for k in a if k.endswith(e2e.ROUTER_SUFFIXES)]
     assert routers and a.keys() == b.keys()
     scales = e2e.router_row_scales(32, 0.5)
     assert scales[0] > 2.5 * scales[-1] and abs(scales.pow(2).mean().item() - 1.0) < 1e-6
@@ -103,3 +164,45 @@ def test_build_model_records_the_router_skew_and_its_load(e2e, tmp_path, monkeyp
     assert info["config"]["router_skew"] == 0.5
     assert info["config"]["router_load"] == e2e.router_load(e2e._first_router(tmp_path / "m"), 2)
     assert info["config"]["router_load"]["max_over_mean"] > 1.5
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_build_model_smoke_of_each_new_architecture(e2e, name, tmp_path, monkeypatch):
+    """build_model (the agreement and ab steps' builder) at reduced dims, its default depth: the
+    checkpoint is plain bf16 (no quantization_config), declares the architecture, has the expert
+    layout vLLM's loader for it reads (Mixtral per expert w1/w3/w2 under block_sparse_moe, GLM
+    per expert, GPT-OSS fused with biases), and a MoE model's router load is recorded (its
+    router found under the architecture's name for it)."""
+    import json
+
+    from safetensors import safe_open
+
+    cls_name, kwargs, layers = e2e.MODELS[name]
+    monkeypatch.setitem(e2e.MODELS, name, (cls_name, {**kwargs, **TINY[name]}, layers))
+    monkeypatch.setattr(e2e, "transformers_sources", lambda max_chars: ["def f(x):\n    return x + 1\n" * 200])
+    out = tmp_path / name
+    info = e2e.build_model(name, layers, out, 512, 64, 0.02)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURES[name]] and config["num_hidden_layers"] == layers
+    assert "quantization_config" not in config and config["vocab_size"] == 512
+    assert (out / "tokenizer.json").exists() and info["layers"] == layers
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(out / index["model.embed_tokens.weight"]), "pt") as st:
+        assert st.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+    last = f"model.layers.{layers - 1}."
+    expected = {
+        "llama": [last + "mlp.gate_proj.weight"],
+        "mixtral": [last + "block_sparse_moe.gate.weight", last + "block_sparse_moe.experts.3.w1.weight",
+                    last + "block_sparse_moe.experts.3.w2.weight", last + "block_sparse_moe.experts.3.w3.weight"],
+        "glm4moe": ["model.layers.0.mlp.gate_proj.weight", last + "mlp.gate.weight",
+                    last + "mlp.gate.e_score_correction_bias", last + "mlp.experts.7.up_proj.weight",
+                    last + "mlp.shared_experts.down_proj.weight"],
+        "gptoss": [last + "mlp.router.weight", last + "mlp.router.bias", last + "mlp.experts.gate_up_proj",
+                   last + "mlp.experts.gate_up_proj_bias", last + "mlp.experts.down_proj",
+                   last + "mlp.experts.down_proj_bias", last + "self_attn.sinks"],
+    }[name]
+    assert set(expected) <= set(index), sorted(set(expected) - set(index))
+    assert not any(".mlp.experts.gate_up_proj" in n for n in index) or name == "gptoss"
+    if name != "llama":
+        top_k = {**kwargs, **TINY[name]}["num_experts_per_tok"]
+        assert info["config"]["router_load"] == e2e.router_load(e2e._first_router(out), top_k)

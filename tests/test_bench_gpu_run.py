@@ -1,0 +1,125 @@
+"""bench/gpu_run.sh, the GPU machine's steps (run there, by hand, one command at a time): it parses,
+its header documents every step, and the ``archs`` step (issue #17) runs, for each architecture,
+the checkpoint build, bench/agreement.py stock vs atom and then the ``ab`` step's cell with the
+settings that make the cell's engines find the agreement engines' compiled graphs, within its
+time budget. The step runs here with ``python3``, ``nvidia-smi`` and ``df`` replaced by stubs on
+PATH that record each call (the GPU programs themselves have their own tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "bench" / "gpu_run.sh"
+
+#: python3 stand-in: records its arguments and the environment the steps set, and answers the
+#: MODELS look-up (bench/e2e_models.py, the real one); every other call does nothing.
+PYTHON_STUB = f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+keep = ("AB_", "ARCHS", "OUT", "PYTHONPATH")
+with open(os.environ["STUB_LOG"], "a") as f:
+    f.write(json.dumps({{"argv": args, "env": {{k: v for k, v in os.environ.items() if k.startswith(keep)}}}}) + "\\n")
+if args[:1] == ["-c"] and "MODELS[" in args[1]:
+    exec(args[1])
+"""
+
+
+def test_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_header_documents_every_step():
+    text = SCRIPT.read_text()
+    header = text.split("\nset -uo pipefail", 1)[0]
+    documented = set(re.findall(r"^#   ([a-z][a-z0-9-]*)\s", header, re.M))
+    cases = set(re.findall(r"^        ([a-z][a-z0-9-]*)\)", text, re.M))
+    assert "archs" in documented and "archs" in cases
+    assert documented == cases
+
+
+def _run_archs(tmp_path: Path, **env: str) -> tuple[list[dict], str]:
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    for name, body in {"python3": PYTHON_STUB, "nvidia-smi": "#!/bin/sh\necho 0\n",
+                       "df": "#!/bin/sh\necho Avail\necho 100G\n"}.items():
+        (stubs / name).write_text(body)
+        (stubs / name).chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    log.unlink(missing_ok=True)
+    full = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(log),
+            "OUT": str(tmp_path / "out"), **env}
+    for key in [k for k in full if k.startswith("AB_")]:
+        full.pop(key)  # the caller's own ab settings must not reach the step
+    proc = subprocess.run(["bash", str(SCRIPT), "archs"], cwd=REPO, env=full, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return calls, proc.stdout
+
+
+def _script_calls(calls: list[dict], script: str) -> list[dict]:
+    return [c for c in calls if c["argv"][:1] == [script]]
+
+
+def _opt(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_archs_step_runs_agreement_then_the_ab_cell_per_architecture(tmp_path):
+    calls, out = _run_archs(tmp_path, ARCHS="llama,gptoss", ARCHS_BUDGET="400")
+    builds = [c["argv"][1] for c in calls if c["argv"][:1] == ["-c"] and "build_model(" in c["argv"][1]]
+    assert any("build_model('llama', 4, Path('/tmp/atom-e2e-models/llama-L4-v32000'), 32000" in b for b in builds)
+    assert any("build_model('gptoss', 4, Path('/tmp/atom-e2e-models/gptoss-L4-v32000'), 32000" in b for b in builds)
+    agree, ab = _script_calls(calls, "bench/agreement.py"), _script_calls(calls, "bench/ab.py")
+    assert [_opt(c["argv"], "--model") for c in agree] == [_opt(c["argv"], "--model") for c in ab] == \
+        ["/tmp/atom-e2e-models/llama-L4-v32000", "/tmp/atom-e2e-models/gptoss-L4-v32000"]
+    for name, a, b in zip(["llama", "gptoss"], agree, ab):
+        # agreement: stock the reference, both bf16 with CUDA graphs (the plain config names),
+        # the ab sides' atom and compile caches; bounded by the budget
+        assert _opt(a["argv"], "--configs") == "stock,atom"
+        assert _opt(a["argv"], "--out") == str(tmp_path / "out" / "archs" / f"{name}_agree.json")
+        assert _opt(a["argv"], "--cache-root") == "/tmp/vcache-{side}"
+        assert a["env"]["PYTHONPATH"] == "/tmp/atom-new:/tmp/site"
+        assert _opt(a["argv"], "--timeout") == _opt(a["argv"], "--budget")
+        # the cell: the same prompts count / lengths / max_logprobs as the agreement engines had
+        # (same compile-cache key), stock and atom only, under $OUT/archs
+        argv = b["argv"]
+        assert _opt(a["argv"], "--prompts") == _opt(argv, "--conc") == "32"
+        assert _opt(a["argv"], "--lengths") == f"{_opt(argv, '--in')}/{_opt(argv, '--out')}" == "128/128"
+        assert json.loads(_opt(argv, "--engine")) == {"max_logprobs": 2}
+        sides = [argv[i + 1].split(":")[0] for i, v in enumerate(argv) if v == "--side"]
+        assert sides == ["stock", "atom"]
+        assert "VLLM_CACHE_ROOT=/tmp/vcache-stock" in argv[argv.index("--side") + 1]
+        assert (_opt(argv, "--rounds"), _opt(argv, "--window"), _opt(argv, "--launches")) == ("2", "10", "1")
+        assert _opt(argv, "--json") == str(tmp_path / "out" / "archs" / f"ab_{name}.json")
+        assert b["env"]["AB_MODEL"] == name and b["env"]["AB_LAYERS"] == "4"
+    assert "=== ab" in out
+    # each engine at most half of the architecture's budget; what the first architecture's stubs
+    # left of theirs, the second gets
+    first, second = (int(_opt(c["argv"], "--timeout")) for c in agree)
+    assert 150 <= first <= (400 - 10) // 2 < second <= (800 - 10) // 2
+    # in order: each architecture's agreement before its cell, the next architecture after both
+    order = [c["argv"][0] for c in calls if c["argv"][:1] in (["bench/agreement.py"], ["bench/ab.py"])]
+    assert order == ["bench/agreement.py", "bench/ab.py"] * 2
+
+
+def test_archs_step_parts_and_budget(tmp_path):
+    calls, _ = _run_archs(tmp_path, ARCHS="mixtral", ARCHS_PARTS="ab")
+    assert not _script_calls(calls, "bench/agreement.py") and len(_script_calls(calls, "bench/ab.py")) == 1
+    calls, _ = _run_archs(tmp_path, ARCHS="glm4moe", ARCHS_PARTS="agree")
+    assert len(_script_calls(calls, "bench/agreement.py")) == 1 and not _script_calls(calls, "bench/ab.py")
+    # too little of the budget left for the cell: not started, and the output says how to run it
+    calls, out = _run_archs(tmp_path, ARCHS="llama", ARCHS_BUDGET="120")
+    assert len(_script_calls(calls, "bench/agreement.py")) == 1 and not _script_calls(calls, "bench/ab.py")
+    assert "llama: ab cell not started" in out and "ARCHS=llama ARCHS_PARTS=ab" in out
+    calls, out = _run_archs(tmp_path, ARCHS="bogus,llama", ARCHS_PARTS="agree")
+    assert "bogus: not a bench/e2e_models.py model" in out
+    assert [_opt(c["argv"], "--model") for c in _script_calls(calls, "bench/agreement.py")] == \
+        ["/tmp/atom-e2e-models/llama-L4-v32000"]
+
