@@ -37,15 +37,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-OPS = ("decode", "prefill", "mla", "moe", "moe_fp8", "moe_tiles", "moe_ep")
+OPS = ("decode", "prefill", "mla", "moe", "moe_fp8", "moe_tiles", "moe_ep", "moe_edges")
+#: ops that sweep tiles rather than time atom's choice (asked for by name only)
+SWEEPS = ("moe_edges",)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Time atom's Triton compute kernels against the torch reference and vLLM.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ops", default=",".join(OPS),
-                   help=f"comma-separated subset of {', '.join(OPS)}")
+    p.add_argument("--ops", default=",".join(o for o in OPS if o not in SWEEPS),
+                   help=f"comma-separated subset of {', '.join(OPS)} (the default leaves out the "
+                        f"tile sweeps {', '.join(SWEEPS)})")
     p.add_argument("--json", metavar="PATH", help="also write the results (and peaks) as JSON")
     p.add_argument("--iters", type=int, default=20, help="calls per timing sample (graph mode)")
     p.add_argument("--no-torch", action="store_true", help="skip timing the torch references "
@@ -580,6 +583,38 @@ class Bench:
                 for label, cfg in (("", None), (" by-local", old)):
                     case = f"T={t} {local}/{experts} k={top_k}{label}" + (" same-tiles" if new == old else "")
                     self.run_case(Row(name, case, **fields),
+                                  lambda cfg=cfg: fused_moe_fwd(*args, out=out, config=cfg, **kw),
+                                  lambda: fused_moe.run("torch", *args, **kw))
+
+    def moe_edges(self) -> None:
+        """The grouped path's tile buckets (``moe_config``) around their edges, one GPU, bf16 and fp8
+        experts: every bucket's tiles forced through ``config=`` at batches of 8-256 tokens per
+        expert, so the table shows where the tiles' times cross (bench/NOTES.md entry 22: at
+        exactly 64 tokens per expert the fp8 ``<= 64`` tile was 1.46x slower than the next one's).
+        The row atom picks by default is marked ``default``."""
+        from atom.ops.moe import fused_moe
+        from atom.ops.moe_triton import fused_moe_fwd, moe_config
+
+        torch = self.torch
+        for fp8 in (False, True):
+            quant = 128 if fp8 else None
+            # one representative tokens-per-expert count per bucket gives that bucket's tiles
+            buckets = (2, 8, 32, 100, 200) if not fp8 else (8, 32, 100)
+            per_expert = [16, 64] if self.dry else [8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 256]
+            for pe in per_expert:
+                args, kw, fields, (experts, top_k) = self._moe_case(max(1, pe * (16 if self.dry else 128) // (4 if self.dry else 8)), fp8)
+                t = args[0].shape[0]
+                configs = {b: moe_config(max(1, b * experts // top_k), top_k, experts, quant, self.dtype) for b in buckets}
+                default = moe_config(t, top_k, experts, quant, self.dtype)
+                out = torch.empty_like(args[0])
+                seen = set()
+                for b, cfg in configs.items():
+                    if cfg in seen:
+                        continue
+                    seen.add(cfg)
+                    label = (f"T={t} {pe}/expert tiles(<= {b}) m{cfg.block_m}"
+                             + (" default" if cfg == default else ""))
+                    self.run_case(Row("moe-edge-fp8" if fp8 else "moe-edge", label, **fields),
                                   lambda cfg=cfg: fused_moe_fwd(*args, out=out, config=cfg, **kw),
                                   lambda: fused_moe.run("torch", *args, **kw))
 
