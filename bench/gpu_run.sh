@@ -44,7 +44,8 @@
 #   ab       bench/ab.py (the speed protocol: sides alive at once on the GPU, interleaved windows,
 #            bootstrap intervals, clocks) on AB_MODEL (dense | moe | mla, AB_LAYERS default 4,
 #            built under /tmp/atom-e2e-models), 128/128 at C=AB_CONC (default 32), AB_ROUNDS (5)
-#            windows of AB_WINDOW s (15), after AB_WARMUP s (5) unmeasured per side, cell and launch. Sides: stock (atom installed, ATOM_DISABLE_VLLM_PLUGIN=1),
+#            windows of AB_WINDOW s (15), after AB_WARMUP s (5) unmeasured per side, cell and launch.
+#            Sides: stock (atom installed, ATOM_DISABLE_VLLM_PLUGIN=1),
 #            atom (the wheel in .stage/tools, installed into /tmp/atom-new) and, when
 #            .stage/tools/old holds a wheel, old (installed into /tmp/atom-old): a before/after
 #            check of one atom change. Each side has its own compile cache. AB_FP8=1: the checkpoint
