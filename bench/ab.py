@@ -235,24 +235,13 @@ def main(argv: list[str]) -> int:
             # ~60 % of its later ones (docs/performance.md), which one round per launch would count
             for conc in concs if args.warmup > 0 else []:
                 for name in order:
-                    procs[name].stdin.write(json.dumps({"seed": 999_999 + launch, "seconds": args.warmup,
-                                                        "conc": conc}) + "\n")
-                    procs[name].stdin.flush()
-                    line = next((ln for ln in procs[name].stdout if ln.startswith("RESULT ")), None)
-                    if line is None:
-                        raise SystemExit(f"side {name} died: {logs[name].read_text()[-3000:]}")
-                    warm[conc][name].append(round(json.loads(line[7:])["tok_s"], 1))
+                    res = _window(procs[name], logs[name], 999_999 + launch, args.warmup, conc)
+                    warm[conc][name].append(round(res["tok_s"], 1))
             for r in range(args.rounds):
                 for conc in concs:
                     for name in order[r % len(order):] + order[: r % len(order)]:
                         t0 = time.time()
-                        seed = 1000 * r + 100000 * launch
-                        procs[name].stdin.write(json.dumps({"seed": seed, "seconds": args.window, "conc": conc}) + "\n")
-                        procs[name].stdin.flush()
-                        line = next((ln for ln in procs[name].stdout if ln.startswith("RESULT ")), None)
-                        if line is None:
-                            raise SystemExit(f"side {name} died: {logs[name].read_text()[-3000:]}")
-                        res = json.loads(line[7:])
+                        res = _window(procs[name], logs[name], 1000 * r + 100000 * launch, args.window, conc)
                         res["clocks"] = clocks.window(t0, time.time())
                         res["launch"] = launch + 1
                         results[conc][name].append(res)
@@ -302,6 +291,16 @@ def _start(sides: list, spec: dict, logdir: Path, suffix: str) -> tuple[dict, di
             raise SystemExit(f"side {name} died while starting: {logs[name].read_text()[-3000:]}")
     print(f"[ab] {len(sides)} sides ready after {time.time() - t_start:.0f} s: {facts}", flush=True)
     return procs, facts, logs
+
+
+def _window(proc: subprocess.Popen, log: Path, seed: int, seconds: float, conc: int) -> dict:
+    """One window of load on a side: its worker's RESULT (prompts drawn from ``seed``)."""
+    proc.stdin.write(json.dumps({"seed": seed, "seconds": seconds, "conc": conc}) + "\n")
+    proc.stdin.flush()
+    line = next((ln for ln in proc.stdout if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"side {log.stem} died: {log.read_text()[-3000:]}")
+    return json.loads(line[7:])
 
 
 def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[str, list[dict]],

@@ -24,16 +24,18 @@ def versions() -> dict:
     deep_gemm: absent when not staged, which changes the kernels stock vLLM may select)."""
     import importlib
 
+    def first_importable(*names):
+        for mod_name in names:
+            try:
+                return importlib.import_module(mod_name)
+            except Exception:  # not staged, or staged without what it needs to import
+                pass
+        return None
+
     out = {}
     for name in ("vllm", "torch", "triton", "atom", "flashinfer", "deep_gemm"):
         # vLLM prefers a separately installed deep_gemm and falls back to the copy in its wheel
-        mods = ("deep_gemm", "vllm.third_party.deep_gemm") if name == "deep_gemm" else (name,)
-        for mod_name in mods:
-            try:
-                mod = importlib.import_module(mod_name)
-                break
-            except Exception:  # not staged, or staged without what it needs to import
-                mod = None
+        mod = first_importable(name, *(["vllm.third_party.deep_gemm"] if name == "deep_gemm" else []))
         if mod is None:
             out[name] = None
             continue

@@ -20,7 +20,7 @@ Cases: paged decode (Qwen3-8B: 32 q / 8 kv heads, D=128, block 16; batch 1/32/12
 2k/8k), prefill (one 4096-token causal sequence, same dims), MLA decode (128 heads, 512+64
 latent, batch 32/128 x context 2k/8k), fused MoE (Qwen3-30B-A3B: 128 experts, top-8, hidden
 2048, inter 768; batch 1..256 and 4096), and one EP=2 rank of those experts (64 local; atom's tiles
-by tokens per global expert vs by the local count). vLLM imports are all guarded: a missing vLLM or
+by pairs per local expert vs by the global count). vLLM imports are all guarded: a missing vLLM or
 kernel leaves its column empty with the reason in the JSON.
 """
 
@@ -474,13 +474,17 @@ class Bench:
 
     # -- MoE -------------------------------------------------------------------------------
 
+    def _moe_dims(self) -> tuple[int, int, int, int]:
+        """(experts, top_k, hidden, inter): Qwen3-30B-A3B's experts, tiny when dry."""
+        return (16, 4, 256, 128) if self.dry else (128, 8, 2048, 768)
+
     def _moe_case(self, t: int, fp8: bool):
-        """Qwen3-30B-A3B expert shapes (128 experts, top-8, hidden 2048, inter 768; tiny when dry):
-        (fused_moe args, keywords, Row fields) for a batch of ``t`` tokens."""
+        """:meth:`_moe_dims` experts: (fused_moe args, keywords, Row fields) for a batch of ``t``
+        tokens."""
         from atom.ops.moe_routing import topk_softmax
 
         torch = self.torch
-        experts, top_k, hidden, inter = (16, 4, 256, 128) if self.dry else (128, 8, 2048, 768)
+        experts, top_k, hidden, inter = self._moe_dims()
         key = (fp8,)
         if getattr(self, "_moe_w", (None,))[0] != key:
             g = torch.Generator(device=self.device).manual_seed(0)
@@ -555,8 +559,8 @@ class Bench:
 
     def moe_ep(self) -> None:
         """One rank of EP=2 (the first half of the experts local, the expert map over all of
-        them), bf16 and fp8: atom's default, whose tiles count tokens per global expert, and the
-        tiles the local count chose before (``by-local``; bench/NOTES.md entry 22). Each batch
+        them), bf16 and fp8: atom's default, whose tiles count pairs per local expert, and the
+        tiles the global count would choose (``by-global``; bench/NOTES.md entry 22). Each batch
         routes over all the experts, as every rank sees it."""
         from atom.ops.moe import fused_moe
         from atom.ops.moe_triton import fused_moe_fwd, moe_config
@@ -577,11 +581,12 @@ class Bench:
                 fields = dict(fields, bytes=used * 3 * x.shape[1] * w2.shape[2] * el + 2 * x.numel() * 2,
                               flops=fields["flops"] / 2)
                 quant = 128 if fp8 else None
-                new, old = (moe_config(t, top_k, n, quant, self.dtype) for n in (experts, local))
+                local_cfg, global_cfg = (moe_config(t, top_k, n, quant, self.dtype) for n in (local, experts))
                 name = "moe-ep-fp8" if fp8 else "moe-ep"
                 out = torch.empty_like(x)
-                for label, cfg in (("", None), (" by-local", old)):
-                    case = f"T={t} {local}/{experts} k={top_k}{label}" + (" same-tiles" if new == old else "")
+                for label, cfg in (("", None), (" by-global", global_cfg)):
+                    case = (f"T={t} {local}/{experts} k={top_k}{label}"
+                            + (" same-tiles" if local_cfg == global_cfg else ""))
                     self.run_case(Row(name, case, **fields),
                                   lambda cfg=cfg: fused_moe_fwd(*args, out=out, config=cfg, **kw),
                                   lambda: fused_moe.run("torch", *args, **kw))
@@ -596,23 +601,21 @@ class Bench:
         from atom.ops.moe_triton import fused_moe_fwd, moe_config
 
         torch = self.torch
+        experts, top_k, _, _ = self._moe_dims()
         for fp8 in (False, True):
             quant = 128 if fp8 else None
-            # one representative tokens-per-expert count per bucket gives that bucket's tiles
-            buckets = (2, 8, 32, 100, 200) if not fp8 else (8, 32, 100)
+            # each bucket's tiles, named by a tokens-per-expert count inside it (the first that gives them)
+            tiles: dict = {}
+            for b in (2, 8, 32, 100, 200):
+                tiles.setdefault(moe_config(max(1, b * experts // top_k), top_k, experts, quant, self.dtype), b)
             per_expert = [16, 64] if self.dry else [8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 256]
             for pe in per_expert:
-                args, kw, fields, (experts, top_k) = self._moe_case(max(1, pe * (16 if self.dry else 128) // (4 if self.dry else 8)), fp8)
-                t = args[0].shape[0]
-                configs = {b: moe_config(max(1, b * experts // top_k), top_k, experts, quant, self.dtype) for b in buckets}
+                t = max(1, pe * experts // top_k)
+                args, kw, fields, _ = self._moe_case(t, fp8)
                 default = moe_config(t, top_k, experts, quant, self.dtype)
                 out = torch.empty_like(args[0])
-                seen = set()
-                for b, cfg in configs.items():
-                    if cfg in seen:
-                        continue
-                    seen.add(cfg)
-                    label = (f"T={t} {pe}/expert tiles(<= {b}) m{cfg.block_m}"
+                for cfg, b in tiles.items():
+                    label = (f"T={t} {pe}/expert tiles({b}/expert) m{cfg.block_m}"
                              + (" default" if cfg == default else ""))
                     self.run_case(Row("moe-edge-fp8" if fp8 else "moe-edge", label, **fields),
                                   lambda cfg=cfg: fused_moe_fwd(*args, out=out, config=cfg, **kw),

@@ -329,13 +329,12 @@ def align_chunk(num_pairs: int) -> int:
 MOE_CONFIG_EDGES = (4, 16, 64, 128)
 
 
-def warm_up_token_counts(top_k: int, num_experts: int) -> list[int]:
+def warm_up_token_counts(top_k: int, num_local: int) -> list[int]:
     """Batch sizes that meet every tile bucket of :func:`moe_config` (just below and above each
-    edge) and every ``CHUNK`` of the align kernel (pairs in each power-of-two bucket up to 1024);
-    ``num_experts``: the count the buckets divide by (the local experts, also under EP)."""
+    edge) and every ``CHUNK`` of the align kernel (pairs in each power-of-two bucket up to 1024)."""
     counts = {1}
     for edge in MOE_CONFIG_EDGES:
-        t = max(1, edge * num_experts // top_k)
+        t = max(1, edge * num_local // top_k)
         counts |= {t, t + 1}
     chunk = 16
     while chunk <= 1024:
@@ -352,9 +351,7 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, a
     served batch of that size (batches above vLLM's largest CUDA-graph size are never captured,
     and a 1,024-2,048-token prefill chunk otherwise stalls on the JIT). ``kwargs``: the layer's
     :func:`fused_moe_fwd` keywords (expert_map, fp8 scales, biases, activation); the tokens are
-    ``act_dtype`` zeros; ``num_experts``: the global count (the expert map's length under EP),
-    which routes the zeros; the tile buckets count the local experts (``w13``'s), as
-    :func:`fused_moe_fwd` does. Returns the number of launches."""
+    ``act_dtype`` zeros. Returns the number of launches."""
     hidden, dev = w13.shape[2], w13.device
     counts = warm_up_token_counts(top_k, w13.shape[0])
     for t in counts:
