@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Block-fp8 GEMM kernel table (issue #16): atom's :func:`atom.ops.fp8_block_gemm` (W8A16 and
 W8A8, activation quantisation included) vs stock vLLM's block-fp8 GEMMs (its per-token-group
-quant + CUTLASS ``cutlass_scaled_mm``, and DeepGEMM's ``fp8_gemm_nt`` when it runs here) vs bf16
-cuBLAS (``torch.mm``), on real layer shapes at M = 1, 8, 64, 256, 4096.
+quant + CUTLASS ``cutlass_scaled_mm``; DeepGEMM's ``fp8_gemm_nt`` when it runs here; and, with
+FlashInfer staged, the kernel vLLM 0.26 selects then, ``FlashInferFp8DeepGEMMDynamicBlockScaledKernel``:
+FlashInfer's swap-AB block-fp8 GEMM on bf16 activations below 32 tokens, DeepGEMM from 32) vs bf16
+cuBLAS (``torch.mm``), on real layer shapes at M = 1, 2, 8, 64, 256, 4096.
 
-    python bench/fp8_gemm.py [--json out.json] [--sweep]
+    python bench/fp8_gemm.py [--json out.json] [--sweep] [--gemv-sweep] [--no-vllm]
 
 Each timing is a CUDA graph of 20 back-to-back calls, replayed for >= 0.1 s, median of 3; the
 weights rotate over enough copies that they do not sit in the 50 MB L2 between calls. Every
@@ -12,7 +14,11 @@ side's output is checked against the float32 product on the dequantised weights 
 error reported; a side above 8 % is marked wrong). % of HBM bandwidth uses the bytes each side
 must read (weights, activations, output) over 3.35 TB/s; % of the fp8 / bf16 tensor-core
 peaks uses 989 / 495 TFLOP/s (H100 SXM, dense). ``--sweep`` also times W8A16 tile variants at
-small M (the numbers behind :func:`atom.ops.fp8_gemm_triton.gemm_config`).
+small M (the numbers behind :func:`atom.ops.fp8_gemm_triton.gemm_config`); ``--gemv-sweep`` the
+GEMV kernel's variants at M = 1 (then its best ones at M = 2, 4, 8 against the tensor-core
+kernel), fp8 and, against cuBLAS, bf16 weights (the numbers behind
+:func:`atom.ops.fp8_gemm_triton.gemv_config` and ``GEMV_MAX_M``). ``--no-vllm``: atom's and
+cuBLAS's sides only (no vLLM import).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ SHAPES = [
     ("qwen3-235b qkv", 9216, 4096), ("qwen3-235b o", 4096, 8192),
     ("qwen3-30b qkv", 5120, 2048), ("qwen3-30b o", 2048, 4096),
 ]
-MS = [1, 8, 64, 256, 4096]
+MS = [1, 2, 8, 64, 256, 4096]
 
 
 def timed(fn, reps: int = 20, samples: int = 3, min_ms: float = 100) -> float:
@@ -115,6 +121,26 @@ def stock_deepgemm():
     return make
 
 
+def stock_flashinfer_dynamic():
+    """What vLLM 0.26 runs for a block-fp8 linear with FlashInfer staged on the H100: its
+    ``dynamic_flashinfer_deepgemm_blockscale_gemm`` op (FlashInfer's swap-AB kernel on the bf16
+    activations below 32 tokens, DeepGEMM from 32) on DeepGEMM's post-processed weights."""
+    import vllm.model_executor.kernels.linear.scaled_mm.flashinfer  # noqa: F401 - registers the ops
+    from vllm.utils import deep_gemm as dg
+    from vllm.utils.flashinfer import is_flashinfer_fp8_blockscale_gemm_supported
+
+    if not is_flashinfer_fp8_blockscale_gemm_supported():
+        raise RuntimeError("vLLM says FlashInfer's block-scale fp8 GEMM is not available")
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
+
+    e8m0 = dg.is_deep_gemm_e8m0_used()
+
+    def make(w, s):
+        wq, ws = deepgemm_post_process_fp8_weight_block(wq=w, ws=s, quant_block_shape=BLOCK, use_e8m0=e8m0)
+        return lambda x: torch.ops.vllm.dynamic_flashinfer_deepgemm_blockscale_gemm(x, wq, ws, BLOCK[1], e8m0)
+    return make
+
+
 def atom_default():
     """atom's op as its linears call it under vLLM: W8A16 up to 16 tokens, then the host GEMM
     the plugin installs (``ATOM_FP8_HOST_GEMM``, DeepGEMM on the H100), W8A8 Triton where it declines."""
@@ -144,6 +170,10 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--gemv-sweep", action="store_true")
+    p.add_argument("--gemv-budget", type=float, default=240, help="seconds for --gemv-sweep's M = 1 part")
+    p.add_argument("--no-vllm", action="store_true", help="atom's and cuBLAS's sides only")
+    p.add_argument("--ms", default="", help="comma list of M (default %s)" % ",".join(map(str, MS)))
     p.add_argument("--shapes", default="", help="comma list of shape labels (default all)")
     args = p.parse_args(argv)
     from atom.ops import fp8_block_gemm
@@ -151,8 +181,10 @@ def main(argv: list[str]) -> int:
 
     dev = torch.device("cuda")
     makers = {}
-    for name, factory in (("atom default", atom_default), ("stock cutlass", stock_cutlass),
-                          ("stock deepgemm", stock_deepgemm)):
+    factories = () if args.no_vllm else (
+        ("atom default", atom_default), ("stock cutlass", stock_cutlass), ("stock deepgemm", stock_deepgemm),
+        ("stock fi-dynamic", stock_flashinfer_dynamic))
+    for name, factory in factories:
         try:
             makers[name] = factory()
         except Exception as e:  # noqa: BLE001
@@ -174,7 +206,7 @@ def main(argv: list[str]) -> int:
                 calls[name] = [make(w, s) for w, s in zip(ws, ss)]
             except Exception as e:  # noqa: BLE001
                 print(f"[fp8_gemm] {label}: {name} failed to prepare ({type(e).__name__}: {str(e)[:200]})", flush=True)
-        for m in MS:
+        for m in [int(v) for v in args.ms.split(",")] if args.ms else MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ dequant_block_fp8(ws[0], ss[0], BLOCK).t()
             row = {"shape": label, "n": n, "k": k, "m": m, "sides": {}}
@@ -205,9 +237,10 @@ def main(argv: list[str]) -> int:
         del ws, ss, wb, calls
         torch.cuda.empty_cache()
     sweep = run_sweep(dev) if args.sweep else []
+    gemv = run_gemv_sweep(dev, args.gemv_budget) if args.gemv_sweep else []
     if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "sweep": sweep},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "sweep": sweep,
+                                               "gemv_sweep": gemv}, indent=1))
     print(table(rows))
     return 0
 
@@ -248,6 +281,119 @@ def run_sweep(dev) -> list[dict]:
             for r in best:
                 print(f"[sweep] N={n} K={k} M={m}: {r['us']:.1f} us ({r['hbm_pct']:.0f}% HBM) {r['cfg']}", flush=True)
     return out
+
+
+#: (label, N, K) the GEMV sweep runs on: both Qwen3-8B GEMV extremes, the widest and the deepest
+#: Qwen3-32B ones, DeepSeek-V3's narrow fused q_a + kv_a, a small 30B-A3B one.
+GEMV_SHAPES = [("qwen3-8b qkv", 6144, 4096), ("qwen3-8b down", 4096, 12288), ("qwen3-32b gate_up", 51200, 5120),
+               ("qwen3-32b down", 5120, 25600), ("dsv3 q_a+kv_a", 2112, 7168), ("qwen3-30b o", 2048, 4096)]
+
+
+def _gemv_candidates(n: int, sms: int) -> list:
+    from atom.ops.fp8_gemm_triton import GemmConfig
+
+    out = []
+    for bn in (4, 8, 16, 32):
+        for bk in (256, 512, 1024, 2048):
+            if not 1024 <= bn * bk <= 16384:
+                continue
+            for warps in (4, 8):
+                for stages in (1, 3):
+                    for split in (1, 2, 4):
+                        if -(-n // bn) * split <= 8 * sms:
+                            out.append(GemmConfig(1, bn, bk, 1, warps, stages, False, split, gemv=True))
+    return out
+
+
+def run_gemv_sweep(dev, budget: float) -> list[dict]:
+    """The GEMV kernel's variants (:func:`_gemv_candidates`) at M = 1 on :data:`GEMV_SHAPES`
+    (fp8 weights; within ``budget`` s), then per shape its 4 best at M = 2, 4, 8 and bf16 weights
+    (cuBLAS's ``torch.mm`` next to it), each next to what atom's dispatch picks (``default``) and
+    the tensor-core kernel's configuration for that M (``mma``)."""
+    import dataclasses
+    import time as _time
+
+    from atom.ops.fp8_gemm_triton import _gemv, fp8_block_gemm_fwd, gemm_config, gemv_config, num_sms
+
+    sms, out, t_end = num_sms(dev), [], _time.time() + budget
+
+    def rec(label, n, k, m, kind, cfg, fn, nbytes):
+        i = [0]
+
+        def rot():
+            i[0] = (i[0] + 1) % len(fn)
+            return fn[i[0]]()
+        try:
+            t = timed(rot, samples=2, min_ms=20)
+        except Exception as e:  # noqa: BLE001
+            print(f"[gemv] {label} M={m} {kind} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            return None
+        r = {"shape": label, "n": n, "k": k, "m": m, "kind": kind, "us": t * 1e6, "hbm_pct": 100 * nbytes / t / HBM,
+             "cfg": dataclasses.asdict(cfg) if cfg is not None else None}
+        out.append(r)
+        return r
+
+    def show(label, m, kind, others=("gemv default", "mma")):
+        rows = [r for r in out if r["shape"] == label and r["m"] == m]
+        for r in sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["us"])[:3] + \
+                [r for r in rows if r["kind"] in others]:
+            c = r["cfg"]
+            cs = f"bn {c['block_n']} bk {c['block_k']} w {c['warps']} st {c['stages']} split {c['split_k']}" if c else ""
+            print(f"[gemv] {label:<18} M={m} {r['kind']:<14} {r['us']:7.1f} us ({r['hbm_pct']:3.0f}% HBM) {cs}", flush=True)
+
+    best: dict[str, list] = {}
+    for label, n, k in GEMV_SHAPES:
+        copies = max(2, int(300e6 // (n * k)) + 1)
+        ws = [(torch.randn(n, k, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(copies)]
+        ss = [torch.rand(-(-n // 128), -(-k // 128), device=dev) * 1e-3 for _ in range(copies)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        o = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+
+        def fns(cfg, x=x, o=o, ws=ws, ss=ss):
+            return [lambda w=w, s=s: _gemv(x, w, s, BLOCK, None, o, cfg) for w, s in zip(ws, ss)]
+        for cfg in _gemv_candidates(n, sms):
+            if _time.time() > t_end:
+                break
+            rec(label, n, k, 1, "gemv", cfg, fns(cfg), n * k)
+        for kind, cfg in (("gemv default", gemv_config(1, n, k, 128, sms)), ("mma", gemm_config(1, n, k, 128, False, sms))):
+            rec(label, n, k, 1, kind, cfg, [lambda w=w, s=s, cfg=cfg: fp8_block_gemm_fwd(
+                x, w, s, BLOCK, x_scale=None, bias=None, out_dtype=torch.bfloat16, config=cfg) for w, s in zip(ws, ss)],
+                n * k)
+        show(label, 1, "gemv")
+        best[label] = sorted((r for r in out if r["shape"] == label and r["kind"] == "gemv"), key=lambda r: r["us"])[:4]
+        for m in (2, 4, 8):
+            xm = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            om = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            for r in best[label]:
+                cfg = dataclasses.replace(GemmConfigFrom(r["cfg"]), block_m=m)
+                rec(label, n, k, m, "gemv", cfg, [lambda w=w, s=s, cfg=cfg: _gemv(xm, w, s, BLOCK, None, om, cfg)
+                                                  for w, s in zip(ws, ss)], n * k)
+            for kind, cfg in (("gemv default", gemv_config(m, n, k, 128, sms)),
+                              ("mma", gemm_config(m, n, k, 128, False, sms))):
+                if cfg is not None:
+                    rec(label, n, k, m, kind, cfg, [lambda w=w, s=s, cfg=cfg: fp8_block_gemm_fwd(
+                        xm, w, s, BLOCK, x_scale=None, bias=None, out_dtype=torch.bfloat16, config=cfg)
+                        for w, s in zip(ws, ss)], n * k)
+            show(label, m, "gemv")
+        del ws, ss
+        # bf16 weights (lever 4: the dense bf16 decode GEMVs) against cuBLAS at M = 1
+        wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(max(2, int(300e6 // (2 * n * k)) + 1))]
+        rec(label, n, k, 1, "bf16 cublas", None, [lambda w=w: torch.mm(x, w.t()) for w in wb], 2 * n * k)
+        for r in best[label]:
+            for bk in {r["cfg"]["block_k"], max(128, r["cfg"]["block_k"] // 2)}:
+                cfg = dataclasses.replace(GemmConfigFrom(r["cfg"]), block_k=bk)
+                rec(label, n, k, 1, "bf16 gemv", cfg, [lambda w=w, cfg=cfg: _gemv(x, w, None, BLOCK, None, o, cfg)
+                                                       for w in wb], 2 * n * k)
+        show(label, 1, "bf16 gemv", ("bf16 cublas",))
+        del wb
+        torch.cuda.empty_cache()
+    return out
+
+
+def GemmConfigFrom(d: dict):
+    from atom.ops.fp8_gemm_triton import GemmConfig
+
+    return GemmConfig(**d)
 
 
 def table(rows: list[dict]) -> str:

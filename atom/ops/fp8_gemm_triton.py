@@ -7,6 +7,11 @@ tile's weight scale (and the activations' group scale) as it is accumulated.
 
 Configurations by batch size ``M`` (:func:`gemm_config`):
 
+* ``M <= GEMV_MAX_M`` (batch-1 decode, float activations): a GEMV without tensor cores
+  (:func:`gemv_config`): each program multiplies ``BLOCK_N`` whole weight rows by the (at most
+  ``GEMV_MAX_M``) activation rows, reading ``BLOCK_N x BLOCK_K`` fp8 weight tiles with long
+  contiguous loads along K, converting them in registers and reducing along K with the tile
+  scales folded into the activations; split-K as below when the grid is small.
 * ``M <= 16`` (decode): weight streaming. 16 x 32 tiles; when the output has too few column
   tiles for two programs per SM, the K loop is split over programs (split-K) whose fp32 partial
   sums a second kernel adds (with the bias) into the output. (Measured on the H100,
@@ -109,6 +114,60 @@ def _fp8_gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit(do_not_specialize=["M", "split_k", "stride_ys"])
+def _gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, split_k,
+    stride_xm, stride_wn, stride_wsn, stride_ym, stride_ys,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_SCALE: tl.constexpr,
+    ADD_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """``y[m, n] = sum_k x[m, k] * w[n, k] * scale[n // SCALE_BN, k // SCALE_BK]`` for the
+    ``ROWS`` rows of ``x`` and ``BLOCK_N`` rows of ``w`` (``SCALE_BN`` a multiple of ``BLOCK_N``:
+    one scale row per program, so the scales fold into the activations), over this program's
+    share of K; fp32 sums (split-K partials when ``split_k`` > 1)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * ROWS + tl.arange(0, ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    nmask = offs_n < N
+    mmask = offs_m < M
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, split_k)
+    kt0 = pid_k * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kt0 * BLOCK_K + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
+    ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_BN) * stride_wsn
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        k = kt * BLOCK_K + offs_k
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0).to(tl.float32)
+        else:
+            kmask = k < K
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            if BLOCK_K <= SCALE_BK:
+                x = x * tl.load(ws_row + (kt * BLOCK_K) // SCALE_BK)
+            else:
+                x = x * tl.load(ws_row + k // SCALE_BK, mask=k < K, other=0.0)[None, :]
+        acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if ADD_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _split_k_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym,
                         SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -135,6 +194,8 @@ class GemmConfig:
     stages: int
     swap_ab: bool
     split_k: int = 1
+    #: the tensor-core-free GEMV kernel (``block_m`` is then its activation rows, a power of two)
+    gemv: bool = False
 
 
 #: Upper M of each configuration bucket (the last one is open-ended).
@@ -162,6 +223,36 @@ def bucket_of(m: int) -> int:
         if m <= top:
             return i
     return len(M_BUCKETS)
+
+
+#: Batches of at most this many rows (float activations) take the GEMV kernel.
+GEMV_MAX_M = 2
+#: Weight elements one GEMV program converts per K step, over its activation rows.
+GEMV_TILE_ELEMENTS = 8192
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def gemv_config(m: int, n: int, k: int, scale_bn: int, sms: int) -> Optional[GemmConfig]:
+    """The GEMV configuration for an ``m x n x k`` W8A16 product, or None where it does not
+    apply (``m`` above :data:`GEMV_MAX_M`, or no row tile of 4-16 that divides the scale tile's
+    ``scale_bn`` rows). ``BLOCK_N``: the widest of 16 / 8 / 4 rows that still gives four programs
+    per SM; ``BLOCK_K``: :data:`GEMV_TILE_ELEMENTS` per step over the rows; split-K while the grid
+    has fewer than two programs per SM."""
+    if m > GEMV_MAX_M:
+        return None
+    fits = [bn for bn in (16, 8, 4) if scale_bn % bn == 0]
+    if not fits:
+        return None
+    rows = _next_pow2(m)
+    bn = next((b for b in fits if -(-n // b) >= 4 * sms), fits[-1])
+    bk = max(64, min(2048, GEMV_TILE_ELEMENTS // (rows * bn), _next_pow2(k)))
+    tiles, steps, split = -(-n // bn), -(-k // bk), 1
+    while tiles * split < SPLIT_K_PROGRAMS_PER_SM * sms and steps // (split * 2) >= 2:
+        split *= 2
+    return GemmConfig(rows, bn, bk, 1, 4, 2, False, split, gemv=True)
 
 
 def gemm_config(m: int, n: int, k: int, block_k: int, a_fp8: bool, sms: int) -> GemmConfig:
@@ -202,7 +293,10 @@ def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
     a_fp8 = x.dtype == FP8_DTYPE
-    cfg = config or gemm_config(m, n, k, block_shape[1], a_fp8, num_sms(x.device))
+    cfg = config or (None if a_fp8 else gemv_config(m, n, k, block_shape[0], num_sms(x.device))) \
+        or gemm_config(m, n, k, block_shape[1], a_fp8, num_sms(x.device))
+    if cfg.gemv:
+        return _gemv(x, weight, weight_scale, block_shape, bias, out, cfg)
     upcast = triton_interpreting()
     _, prec = dot_flags(torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
     split = cfg.split_k
@@ -230,10 +324,45 @@ def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     return out
 
 
+def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
+          block_shape: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
+          cfg: GemmConfig) -> torch.Tensor:
+    """The GEMV kernel (``cfg.gemv``) on a float ``x``; ``weight_scale`` None: an unscaled weight
+    of any float dtype (the bf16 GEMV bench/fp8_gemm.py times against cuBLAS)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight_scale is not None and block_shape[0] % cfg.block_n:
+        raise ValueError(f"GEMV row tile {cfg.block_n} must divide the scale tile's {block_shape[0]} rows")
+    split = cfg.split_k
+    if split > 1:
+        target = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        stride_ys, stride_ym = m * n, n
+    else:
+        target, stride_ys, stride_ym = out, 0, out.stride(0)
+    ws = weight_scale if weight_scale is not None else weight
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    _gemv_kernel[grid](
+        x, weight, ws, bias if bias is not None else ws, target, m, n, k, split,
+        x.stride(0), weight.stride(0), ws.stride(0), stride_ym, stride_ys,
+        ROWS=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SCALE_BN=block_shape[0], SCALE_BK=block_shape[1], HAS_SCALE=weight_scale is not None,
+        ADD_BIAS=bias is not None and split == 1, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    if split > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else target, out, m, n, out.stride(0),
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+    return out
+
+
 def warm_up_sizes(w8a8_from: Optional[int]) -> list[int]:
     """One batch size per configuration bucket (each bucket is one compiled variant, W8A16 below
-    ``w8a8_from`` and W8A8 from it), and the first W8A8 size."""
-    sizes = {1, *(top + 1 for top in M_BUCKETS)}
+    ``w8a8_from`` and W8A8 from it), one per GEMV row count (1, 2, 4, ... up to
+    :data:`GEMV_MAX_M`) and the first size after them, and the first W8A8 size."""
+    sizes = {1, *(top + 1 for top in M_BUCKETS), *(_next_pow2(r) for r in range(1, GEMV_MAX_M + 1)),
+             GEMV_MAX_M + 1}
     if w8a8_from is not None:
         sizes.add(w8a8_from)
     return sorted(sizes)

@@ -42,7 +42,8 @@ def test_reference_is_dequantise_then_matmul():
 
 # (m, n, k, block): odd sizes, partial tiles on both axes, M in every bucket, K that forces split-K.
 CASES = [
-    (1, 200, 300, (128, 128)),
+    (1, 200, 300, (128, 128)),  # GEMV
+    (2, 136, 1100, (64, 128)),  # GEMV, two activation rows, K off the step
     (3, 130, 257, (128, 128)),
     (16, 64, 1024, (128, 128)),  # split-K: one column tile, 8 K steps
     (17, 96, 160, (64, 32)),
@@ -80,12 +81,61 @@ def test_w8a8_matches_reference(m, n, k, block):
 
 
 def test_split_k_and_every_bucket_are_exercised():
-    from atom.ops.fp8_gemm_triton import M_BUCKETS, bucket_of, gemm_config, num_sms
+    from atom.ops.fp8_gemm_triton import GEMV_MAX_M, M_BUCKETS, bucket_of, gemm_config, gemv_config, num_sms
 
-    buckets = {bucket_of(m) for m, *_ in CASES}
+    buckets = {bucket_of(m) for m, *_ in CASES if m > GEMV_MAX_M}
     assert buckets == set(range(len(M_BUCKETS) + 1))
     cfg = gemm_config(16, 64, 1024, 128, False, num_sms(DEVICE))
     assert cfg.split_k > 1
+    sms = num_sms(DEVICE)
+    assert {gemv_config(m, n, k, b[0], sms) is not None for m, n, k, b in CASES} == {True, False}
+    assert all(gemv_config(m, n, k, b[0], sms) is not None for m, n, k, b in CASES if m <= GEMV_MAX_M)
+
+
+def test_gemv_config_choices():
+    """GEMV from 1 to GEMV_MAX_M rows only, rows rounded up to a power of two, a row tile that
+    divides the scale tile's rows (none: the tensor-core kernel), split-K when the grid is small."""
+    from atom.ops.fp8_gemm_triton import GEMV_MAX_M, gemv_config
+
+    assert gemv_config(GEMV_MAX_M + 1, 4096, 4096, 128, 132) is None
+    assert gemv_config(1, 4096, 4096, 6, 132) is None  # 6-row scale tiles: no 4 / 8 / 16 row tile fits
+    c = gemv_config(1, 6144, 4096, 128, 132)
+    assert c.gemv and c.block_m == 1 and 128 % c.block_n == 0 and c.split_k == 1
+    assert gemv_config(2, 6144, 4096, 128, 132).block_m == 2
+    assert gemv_config(1, 512, 16384, 128, 132).split_k > 1  # 32-128 programs on 132 SMs
+    assert gemv_config(1, 100, 300, 64, 8).block_n == 4  # the widest tile leaves too few programs
+
+
+@pytest.mark.parametrize("rows,m,split,bias", [(1, 1, 3, True), (2, 5, 2, False), (4, 3, 1, True)])
+def test_gemv_forms_match_reference(rows, m, split, bias):
+    """The GEMV kernel's forced forms: more activation rows than the batch, several row groups,
+    split-K with and without a bias, a K tile wider than the scale tile (per-column scales) and
+    narrower."""
+    from atom.ops.fp8_gemm_triton import GemmConfig, fp8_block_gemm_fwd
+
+    w, s = _weights(72, 700, (8, 64))
+    x = torch.randn(m, 700, device=DEVICE).to(torch.bfloat16)
+    b = torch.randn(72, device=DEVICE).to(torch.bfloat16) if bias else None
+    want = fp8_block_gemm.reference(x, w, s, (8, 64), bias=b).float()
+    for bk in (32, 256):
+        got = fp8_block_gemm_fwd(x, w, s, (8, 64), x_scale=None, bias=b, out_dtype=torch.bfloat16,
+                                 config=GemmConfig(rows, 8, bk, 1, 4, 1, False, split, gemv=True))
+        torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+    with pytest.raises(ValueError, match="must divide the scale tile"):
+        fp8_block_gemm_fwd(x, w, s, (8, 64), x_scale=None, bias=b, out_dtype=torch.bfloat16,
+                           config=GemmConfig(rows, 16, 64, 1, 4, 1, False, 1, gemv=True))
+
+
+def test_gemv_unscaled_weight():
+    """The GEMV kernel on a bf16 weight without scales (bench/fp8_gemm.py's bf16 GEMV)."""
+    from atom.ops.fp8_gemm_triton import GemmConfig, _gemv
+
+    w = torch.randn(40, 300, device=DEVICE).to(torch.bfloat16)
+    x = torch.randn(1, 300, device=DEVICE).to(torch.bfloat16)
+    out = torch.empty(1, 40, device=DEVICE, dtype=torch.bfloat16)
+    _gemv(x, w, None, (128, 128), None, out, GemmConfig(1, 8, 128, 1, 4, 1, False, 2, gemv=True))
+    want = x.float() @ w.float().t()
+    torch.testing.assert_close(out.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
 @pytest.mark.parametrize("a_fp8", [False, True], ids=["w8a16", "w8a8"])
@@ -129,13 +179,13 @@ def test_warm_up_compiles_every_bucket():
     w, s = _weights(64, 128, (64, 64))
     n = warm_up_fp8_block_gemm(w, s, (64, 64), act_dtype=torch.bfloat16, w8a8_from=65, force=True)
     assert n == len(warm_up_sizes(65)) and 65 in warm_up_sizes(65) and 1 in warm_up_sizes(65)
-    assert {1, 17, 65, 257} <= set(warm_up_sizes(17))  # every tile bucket, whatever the W8A8 edge
+    assert {1, 2, 3, 17, 65, 257} <= set(warm_up_sizes(17))  # every GEMV row count and tile bucket
     assert warm_up_fp8_block_gemm(w, s, (64, 64), act_dtype=torch.bfloat16, w8a8_from=65, force=True) == 0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 64, 256, 4096])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (576 + 1536, 7168)])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 64, 256, 4096])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (576 + 1536, 7168), (576, 7168)])
 def test_gpu_real_shapes(m, n, k):
     w, s = _weights(n, k, (128, 128))
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)

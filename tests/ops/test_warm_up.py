@@ -57,6 +57,7 @@ def test_moe_size_arguments_are_not_specialised(module, name, args):
 @pytest.mark.parametrize("module,name,args", [
     # column-major activation scales have the batch size as a stride
     ("fp8_gemm_triton", "_fp8_gemm_kernel", {"M", "split_k", "stride_xsm", "stride_xsk"}),
+    ("fp8_gemm_triton", "_gemv_kernel", {"M", "split_k", "stride_ys"}),
     ("fused_quant_triton", "_rms_norm_quant_kernel", {"stride_sm", "stride_sg"}),
     ("fused_quant_triton", "_silu_and_mul_quant_kernel", {"stride_sm", "stride_sg"}),
 ])
@@ -84,9 +85,10 @@ def test_gpu_no_compile_after_fp8_linear_warm_up():
     ops.rms_norm_quant_fp8(x1, nw, 1e-6, None, 128, True)
     ops.rms_norm_quant_fp8(x1, nw, 1e-6, x1, 128, True)
     ops.silu_and_mul_quant_fp8(torch.cat([x1, x1], 1), 128, True)
-    kernels = (gt._fp8_gemm_kernel, gt._split_k_sum_kernel, ft._rms_norm_quant_kernel, ft._silu_and_mul_quant_kernel)
+    kernels = (gt._fp8_gemm_kernel, gt._gemv_kernel, gt._split_k_sum_kernel, ft._rms_norm_quant_kernel,
+               ft._silu_and_mul_quant_kernel)
     before = [_compiled(kern) for kern in kernels]
-    for m in (1, 5, 16, 17, 33, 64, 65, 100, 128, 256, 257, 1000, 4096):
+    for m in (1, 2, 3, 5, 16, 17, 33, 64, 65, 100, 128, 256, 257, 1000, 4096):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for column in (False, True):
             y, r, q, s = ops.rms_norm_quant_fp8(x, nw, 1e-6, x, 128, column)
