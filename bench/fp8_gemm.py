@@ -15,7 +15,7 @@ error reported; a side above 8 % is marked wrong). % of HBM bandwidth uses the b
 must read (weights, activations, output) over 3.35 TB/s; % of the fp8 / bf16 tensor-core
 peaks uses 989 / 495 TFLOP/s (H100 SXM, dense). ``--sweep`` also times W8A16 tile variants at
 small M (the numbers behind :func:`atom.ops.fp8_gemm_triton.gemm_config`); ``--gemv-sweep`` the
-GEMV kernel's variants at M = 1 (then its best ones at M = 2, 4, 8 against the tensor-core
+GEMV kernel's variants at M = 1 (then its best ones at M = 2, against the tensor-core
 kernel), fp8 and, against cuBLAS, bf16 weights (the numbers behind
 :func:`atom.ops.fp8_gemm_triton.gemv_config` and ``GEMV_MAX_M``). ``--no-vllm``: atom's and
 cuBLAS's sides only (no vLLM import).
@@ -290,24 +290,26 @@ GEMV_SHAPES = [("qwen3-8b qkv", 6144, 4096), ("qwen3-8b down", 4096, 12288), ("q
 
 
 def _gemv_candidates(n: int, sms: int) -> list:
+    """GEMV variants at one activation row: 4 / 8 warps, 4-16 weight rows, a register tile of
+    2048 elements up to 2048 per warp, split-K 1 / 2 / 4 where the grid stays within 8 programs
+    per SM."""
     from atom.ops.fp8_gemm_triton import GemmConfig
 
     out = []
-    for bn in (4, 8, 16, 32):
-        for bk in (256, 512, 1024, 2048):
-            if not 1024 <= bn * bk <= 16384:
-                continue
-            for warps in (4, 8):
-                for stages in (1, 3):
-                    for split in (1, 2, 4):
-                        if -(-n // bn) * split <= 8 * sms:
-                            out.append(GemmConfig(1, bn, bk, 1, warps, stages, False, split, gemv=True))
+    for warps in (4, 8):
+        for bn in (4, 8, 16):
+            for bk in (128, 256, 512, 1024, 2048, 4096):
+                if not 2048 <= bn * bk <= 2048 * warps:
+                    continue
+                for split in (1, 2, 4):
+                    if -(-n // bn) * split <= 8 * sms:
+                        out.append(GemmConfig(1, bn, bk, 1, warps, 1, False, split, gemv=True))
     return out
 
 
 def run_gemv_sweep(dev, budget: float) -> list[dict]:
     """The GEMV kernel's variants (:func:`_gemv_candidates`) at M = 1 on :data:`GEMV_SHAPES`
-    (fp8 weights; within ``budget`` s), then per shape its 4 best at M = 2, 4, 8 and bf16 weights
+    (fp8 weights; within ``budget`` s), then per shape its 4 best at M = 2 and on bf16 weights
     (cuBLAS's ``torch.mm`` next to it), each next to what atom's dispatch picks (``default``) and
     the tensor-core kernel's configuration for that M (``mma``)."""
     import dataclasses
@@ -361,13 +363,14 @@ def run_gemv_sweep(dev, budget: float) -> list[dict]:
                 n * k)
         show(label, 1, "gemv")
         best[label] = sorted((r for r in out if r["shape"] == label and r["kind"] == "gemv"), key=lambda r: r["us"])[:4]
-        for m in (2, 4, 8):
+        for m in (2,):
             xm = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             om = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             for r in best[label]:
-                cfg = dataclasses.replace(GemmConfigFrom(r["cfg"]), block_m=m)
-                rec(label, n, k, m, "gemv", cfg, [lambda w=w, s=s, cfg=cfg: _gemv(xm, w, s, BLOCK, None, om, cfg)
-                                                  for w, s in zip(ws, ss)], n * k)
+                for bk in {r["cfg"]["block_k"], max(128, r["cfg"]["block_k"] // 2)}:
+                    cfg = dataclasses.replace(GemmConfigFrom(r["cfg"]), block_m=m, block_k=bk)
+                    rec(label, n, k, m, "gemv", cfg, [lambda w=w, s=s, cfg=cfg: _gemv(xm, w, s, BLOCK, None, om, cfg)
+                                                      for w, s in zip(ws, ss)], n * k)
             for kind, cfg in (("gemv default", gemv_config(m, n, k, 128, sms)),
                               ("mma", gemm_config(m, n, k, 128, False, sms))):
                 if cfg is not None:

@@ -122,50 +122,69 @@ def _gemv_kernel(
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_SCALE: tl.constexpr,
     ADD_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """``y[m, n] = sum_k x[m, k] * w[n, k] * scale[n // SCALE_BN, k // SCALE_BK]`` for the
-    ``ROWS`` rows of ``x`` and ``BLOCK_N`` rows of ``w`` (``SCALE_BN`` a multiple of ``BLOCK_N``:
-    one scale row per program, so the scales fold into the activations), over this program's
-    share of K; fp32 sums (split-K partials when ``split_k`` > 1)."""
+    """``y[m, n] = sum_k x[m, k] * w[n, k] * scale[n // SCALE_BN, k // SCALE_BK]`` for ``ROWS``
+    (1 or 2) rows of ``x`` and ``BLOCK_N`` rows of ``w`` (``SCALE_BN`` a multiple of
+    ``BLOCK_N``: one scale row per program, so the scales fold into the activations), over this
+    program's share of K; fp32 sums (split-K partials when ``split_k`` > 1). The products
+    accumulate elementwise in a ``BLOCK_N x BLOCK_K`` register tile per row, reduced across K
+    once at the end (no cross-thread reduction inside the loop)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    m0 = tl.program_id(2) * ROWS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * ROWS + tl.arange(0, ROWS)
     offs_k = tl.arange(0, BLOCK_K)
     nmask = offs_n < N
-    mmask = offs_m < M
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, split_k)
     kt0 = pid_k * per_split
     kt1 = tl.minimum(kt0 + per_split, k_tiles)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kt0 * BLOCK_K + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
+    x_ptrs = x_ptr + m0.to(tl.int64) * stride_xm + kt0 * BLOCK_K + offs_k
     ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_BN) * stride_wsn
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    has1 = offs_k * 0 + m0 + 1 < M  # a tensor: the interpreter takes no scalar masks
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for kt in range(kt0, kt1):
         k = kt * BLOCK_K + offs_k
+        kmask = k < K
         if EVEN_K:
             if EVEN_N:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0).to(tl.float32)
+            x0 = tl.load(x_ptrs).to(tl.float32)
+            if ROWS == 2:
+                x1 = tl.load(x_ptrs + stride_xm, mask=has1 & kmask, other=0.0).to(tl.float32)
         else:
-            kmask = k < K
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            x0 = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)
+            if ROWS == 2:
+                x1 = tl.load(x_ptrs + stride_xm, mask=has1 & kmask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             if BLOCK_K <= SCALE_BK:
-                x = x * tl.load(ws_row + (kt * BLOCK_K) // SCALE_BK)
+                sk = tl.load(ws_row + (kt * BLOCK_K) // SCALE_BK)
             else:
-                x = x * tl.load(ws_row + k // SCALE_BK, mask=k < K, other=0.0)[None, :]
-        acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+                sk = tl.load(ws_row + k // SCALE_BK, mask=kmask, other=0.0)
+            x0 = x0 * sk
+            if ROWS == 2:
+                x1 = x1 * sk
+        wf = w.to(tl.float32)
+        acc0 += wf * x0[None, :]
+        if ROWS == 2:
+            acc1 += wf * x1[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    y0 = tl.sum(acc0, axis=1)
     if ADD_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        bias = tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        y0 += bias
+    y_ptrs = y_ptr + pid_k * stride_ys + m0.to(tl.int64) * stride_ym + offs_n
+    tl.store(y_ptrs, y0.to(y_ptr.dtype.element_ty), mask=nmask)
+    if ROWS == 2:
+        y1 = tl.sum(acc1, axis=1)
+        if ADD_BIAS:
+            y1 += bias
+        tl.store(y_ptrs + stride_ym, y1.to(y_ptr.dtype.element_ty), mask=nmask & (offs_n * 0 + m0 + 1 < M))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -228,7 +247,7 @@ def bucket_of(m: int) -> int:
 #: Batches of at most this many rows (float activations) take the GEMV kernel.
 GEMV_MAX_M = 2
 #: Weight elements one GEMV program converts per K step, over its activation rows.
-GEMV_TILE_ELEMENTS = 8192
+GEMV_TILE_ELEMENTS = 4096
 
 
 def _next_pow2(v: int) -> int:
@@ -331,6 +350,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Te
     of any float dtype (the bf16 GEMV bench/fp8_gemm.py times against cuBLAS)."""
     m, k = x.shape
     n = weight.shape[0]
+    if cfg.block_m not in (1, 2):
+        raise ValueError(f"the GEMV kernel takes 1 or 2 activation rows per program, not {cfg.block_m}")
     if weight_scale is not None and block_shape[0] % cfg.block_n:
         raise ValueError(f"GEMV row tile {cfg.block_n} must divide the scale tile's {block_shape[0]} rows")
     split = cfg.split_k

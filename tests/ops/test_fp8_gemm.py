@@ -106,7 +106,7 @@ def test_gemv_config_choices():
     assert gemv_config(1, 100, 300, 64, 8).block_n == 4  # the widest tile leaves too few programs
 
 
-@pytest.mark.parametrize("rows,m,split,bias", [(1, 1, 3, True), (2, 5, 2, False), (4, 3, 1, True)])
+@pytest.mark.parametrize("rows,m,split,bias", [(1, 1, 3, True), (2, 5, 2, False), (1, 3, 1, True), (2, 1, 1, True)])
 def test_gemv_forms_match_reference(rows, m, split, bias):
     """The GEMV kernel's forced forms: more activation rows than the batch, several row groups,
     split-K with and without a bias, a K tile wider than the scale tile (per-column scales) and
@@ -121,6 +121,9 @@ def test_gemv_forms_match_reference(rows, m, split, bias):
         got = fp8_block_gemm_fwd(x, w, s, (8, 64), x_scale=None, bias=b, out_dtype=torch.bfloat16,
                                  config=GemmConfig(rows, 8, bk, 1, 4, 1, False, split, gemv=True))
         torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+    with pytest.raises(ValueError, match="1 or 2 activation rows"):
+        fp8_block_gemm_fwd(x, w, s, (8, 64), x_scale=None, bias=b, out_dtype=torch.bfloat16,
+                           config=GemmConfig(4, 8, 64, 1, 4, 1, False, 1, gemv=True))
     with pytest.raises(ValueError, match="must divide the scale tile"):
         fp8_block_gemm_fwd(x, w, s, (8, 64), x_scale=None, bias=b, out_dtype=torch.bfloat16,
                            config=GemmConfig(rows, 16, 64, 1, 4, 1, False, 1, gemv=True))
