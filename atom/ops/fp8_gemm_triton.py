@@ -7,11 +7,12 @@ tile's weight scale (and the activations' group scale) as it is accumulated.
 
 Configurations by batch size ``M`` (:func:`gemm_config`):
 
-* ``M <= GEMV_MAX_M`` (batch-1 decode, float activations): a GEMV without tensor cores
-  (:func:`gemv_config`): each program multiplies ``BLOCK_N`` whole weight rows by the (at most
-  ``GEMV_MAX_M``) activation rows, reading ``BLOCK_N x BLOCK_K`` fp8 weight tiles with long
-  contiguous loads along K, converting them in registers and reducing along K with the tile
-  scales folded into the activations; split-K as below when the grid is small.
+* ``M <= GEMV_MAX_M`` (1: batch-1 decode, float activations): a GEMV without tensor cores
+  (:func:`gemv_config`): each program multiplies ``BLOCK_N`` whole weight rows by one
+  activation row, reading ``BLOCK_N x BLOCK_K`` fp8 weight tiles with long contiguous loads
+  along K, converting them in registers, with the tile scales folded into the activations;
+  split-K when the grid has fewer programs than SMs. On the H100 it takes 0.73-0.91x the
+  tensor-core kernel's time at M = 1 (bench/NOTES.md entry 25).
 * ``M <= 16`` (decode): weight streaming. 16 x 32 tiles; when the output has too few column
   tiles for two programs per SM, the K loop is split over programs (split-K) whose fp32 partial
   sums a second kernel adds (with the bias) into the output. (Measured on the H100,
@@ -118,19 +119,19 @@ def _fp8_gemm_kernel(
 def _gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, split_k,
     stride_xm, stride_wn, stride_wsn, stride_ym, stride_ys,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_SCALE: tl.constexpr,
     ADD_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """``y[m, n] = sum_k x[m, k] * w[n, k] * scale[n // SCALE_BN, k // SCALE_BK]`` for ``ROWS``
-    (1 or 2) rows of ``x`` and ``BLOCK_N`` rows of ``w`` (``SCALE_BN`` a multiple of
-    ``BLOCK_N``: one scale row per program, so the scales fold into the activations), over this
-    program's share of K; fp32 sums (split-K partials when ``split_k`` > 1). The products
-    accumulate elementwise in a ``BLOCK_N x BLOCK_K`` register tile per row, reduced across K
-    once at the end (no cross-thread reduction inside the loop)."""
+    """``y[m, n] = sum_k x[m, k] * w[n, k] * scale[n // SCALE_BN, k // SCALE_BK]`` for one row
+    ``m`` of ``x`` and ``BLOCK_N`` rows of ``w`` (``SCALE_BN`` a multiple of ``BLOCK_N``: one
+    scale row per program, so the scales fold into the activations), over this program's share
+    of K; fp32 sums (split-K partials when ``split_k`` > 1). The products accumulate elementwise
+    in a ``BLOCK_N x BLOCK_K`` register tile, reduced across K once at the end (no cross-thread
+    reduction inside the loop)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    m0 = tl.program_id(2) * ROWS
+    m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     nmask = offs_n < N
@@ -139,11 +140,9 @@ def _gemv_kernel(
     kt0 = pid_k * per_split
     kt1 = tl.minimum(kt0 + per_split, k_tiles)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kt0 * BLOCK_K + offs_k)[None, :]
-    x_ptrs = x_ptr + m0.to(tl.int64) * stride_xm + kt0 * BLOCK_K + offs_k
+    x_ptrs = x_ptr + m.to(tl.int64) * stride_xm + kt0 * BLOCK_K + offs_k
     ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_BN) * stride_wsn
-    has1 = offs_k * 0 + m0 + 1 < M  # a tensor: the interpreter takes no scalar masks
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for kt in range(kt0, kt1):
         k = kt * BLOCK_K + offs_k
         kmask = k < K
@@ -152,39 +151,22 @@ def _gemv_kernel(
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
-            x0 = tl.load(x_ptrs).to(tl.float32)
-            if ROWS == 2:
-                x1 = tl.load(x_ptrs + stride_xm, mask=has1 & kmask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs).to(tl.float32)
         else:
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            x0 = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)
-            if ROWS == 2:
-                x1 = tl.load(x_ptrs + stride_xm, mask=has1 & kmask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             if BLOCK_K <= SCALE_BK:
-                sk = tl.load(ws_row + (kt * BLOCK_K) // SCALE_BK)
+                x = x * tl.load(ws_row + (kt * BLOCK_K) // SCALE_BK)
             else:
-                sk = tl.load(ws_row + k // SCALE_BK, mask=kmask, other=0.0)
-            x0 = x0 * sk
-            if ROWS == 2:
-                x1 = x1 * sk
-        wf = w.to(tl.float32)
-        acc0 += wf * x0[None, :]
-        if ROWS == 2:
-            acc1 += wf * x1[None, :]
+                x = x * tl.load(ws_row + k // SCALE_BK, mask=kmask, other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    y0 = tl.sum(acc0, axis=1)
+    y = tl.sum(acc, axis=1)
     if ADD_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-        y0 += bias
-    y_ptrs = y_ptr + pid_k * stride_ys + m0.to(tl.int64) * stride_ym + offs_n
-    tl.store(y_ptrs, y0.to(y_ptr.dtype.element_ty), mask=nmask)
-    if ROWS == 2:
-        y1 = tl.sum(acc1, axis=1)
-        if ADD_BIAS:
-            y1 += bias
-        tl.store(y_ptrs + stride_ym, y1.to(y_ptr.dtype.element_ty), mask=nmask & (offs_n * 0 + m0 + 1 < M))
+        y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + pid_k * stride_ys + m.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -244,10 +226,14 @@ def bucket_of(m: int) -> int:
     return len(M_BUCKETS)
 
 
-#: Batches of at most this many rows (float activations) take the GEMV kernel.
-GEMV_MAX_M = 2
-#: Weight elements one GEMV program converts per K step, over its activation rows.
-GEMV_TILE_ELEMENTS = 4096
+#: Batches of at most this many rows (float activations) take the GEMV kernel (one program
+#: row per activation row: at 2 rows it already trails the tensor-core kernel on the large
+#: shapes, bench/NOTES.md entry 25).
+GEMV_MAX_M = 1
+#: The GEMV tile (weight rows x K elements per step) and warps: within 8 % of each shape's best
+#: variant in the H100 sweep (bench/fp8_gemm.py --gemv-sweep) on Qwen3-8B / 32B, DeepSeek-V3 and
+#: Qwen3-30B-A3B shapes.
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 8, 1024, 4
 
 
 def _next_pow2(v: int) -> int:
@@ -256,22 +242,19 @@ def _next_pow2(v: int) -> int:
 
 def gemv_config(m: int, n: int, k: int, scale_bn: int, sms: int) -> Optional[GemmConfig]:
     """The GEMV configuration for an ``m x n x k`` W8A16 product, or None where it does not
-    apply (``m`` above :data:`GEMV_MAX_M`, or no row tile of 4-16 that divides the scale tile's
-    ``scale_bn`` rows). ``BLOCK_N``: the widest of 16 / 8 / 4 rows that still gives four programs
-    per SM; ``BLOCK_K``: :data:`GEMV_TILE_ELEMENTS` per step over the rows; split-K while the grid
-    has fewer than two programs per SM."""
+    apply (``m`` above :data:`GEMV_MAX_M`, or neither :data:`GEMV_BLOCK_N` nor half of it
+    divides the scale tile's ``scale_bn`` rows). Split-K only while the grid has fewer programs
+    than SMs (the sweep: splitting a grid of >= 1 program per SM lost more often than it won)."""
     if m > GEMV_MAX_M:
         return None
-    fits = [bn for bn in (16, 8, 4) if scale_bn % bn == 0]
-    if not fits:
+    bn = next((b for b in (GEMV_BLOCK_N, GEMV_BLOCK_N // 2) if b and scale_bn % b == 0), None)
+    if bn is None:
         return None
-    rows = _next_pow2(m)
-    bn = next((b for b in fits if -(-n // b) >= 4 * sms), fits[-1])
-    bk = max(64, min(2048, GEMV_TILE_ELEMENTS // (rows * bn), _next_pow2(k)))
+    bk = max(64, min(GEMV_BLOCK_K, _next_pow2(k)))
     tiles, steps, split = -(-n // bn), -(-k // bk), 1
-    while tiles * split < SPLIT_K_PROGRAMS_PER_SM * sms and steps // (split * 2) >= 2:
+    while tiles * split < sms and steps // (split * 2) >= 2:
         split *= 2
-    return GemmConfig(rows, bn, bk, 1, 4, 2, False, split, gemv=True)
+    return GemmConfig(1, bn, bk, 1, GEMV_WARPS, 1, False, split, gemv=True)
 
 
 def gemm_config(m: int, n: int, k: int, block_k: int, a_fp8: bool, sms: int) -> GemmConfig:
@@ -346,12 +329,11 @@ def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
           block_shape: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
           cfg: GemmConfig) -> torch.Tensor:
-    """The GEMV kernel (``cfg.gemv``) on a float ``x``; ``weight_scale`` None: an unscaled weight
-    of any float dtype (the bf16 GEMV bench/fp8_gemm.py times against cuBLAS)."""
+    """The GEMV kernel (``cfg.gemv``; one program row per row of the float ``x``);
+    ``weight_scale`` None: an unscaled weight of any float dtype (the bf16 GEMV
+    bench/fp8_gemm.py times against cuBLAS)."""
     m, k = x.shape
     n = weight.shape[0]
-    if cfg.block_m not in (1, 2):
-        raise ValueError(f"the GEMV kernel takes 1 or 2 activation rows per program, not {cfg.block_m}")
     if weight_scale is not None and block_shape[0] % cfg.block_n:
         raise ValueError(f"GEMV row tile {cfg.block_n} must divide the scale tile's {block_shape[0]} rows")
     split = cfg.split_k
@@ -361,11 +343,10 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Te
     else:
         target, stride_ys, stride_ym = out, 0, out.stride(0)
     ws = weight_scale if weight_scale is not None else weight
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    _gemv_kernel[grid](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split, m)](
         x, weight, ws, bias if bias is not None else ws, target, m, n, k, split,
         x.stride(0), weight.stride(0), ws.stride(0), stride_ym, stride_ys,
-        ROWS=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SCALE_BN=block_shape[0], SCALE_BK=block_shape[1], HAS_SCALE=weight_scale is not None,
         ADD_BIAS=bias is not None and split == 1, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         num_warps=cfg.warps, num_stages=cfg.stages,
@@ -380,10 +361,9 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Te
 
 def warm_up_sizes(w8a8_from: Optional[int]) -> list[int]:
     """One batch size per configuration bucket (each bucket is one compiled variant, W8A16 below
-    ``w8a8_from`` and W8A8 from it), one per GEMV row count (1, 2, 4, ... up to
-    :data:`GEMV_MAX_M`) and the first size after them, and the first W8A8 size."""
-    sizes = {1, *(top + 1 for top in M_BUCKETS), *(_next_pow2(r) for r in range(1, GEMV_MAX_M + 1)),
-             GEMV_MAX_M + 1}
+    ``w8a8_from`` and W8A8 from it; the GEMV for a single row, then the first size after
+    :data:`GEMV_MAX_M`), and the first W8A8 size."""
+    sizes = {1, GEMV_MAX_M + 1, *(top + 1 for top in M_BUCKETS)}
     if w8a8_from is not None:
         sizes.add(w8a8_from)
     return sorted(sizes)

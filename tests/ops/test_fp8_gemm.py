@@ -43,7 +43,7 @@ def test_reference_is_dequantise_then_matmul():
 # (m, n, k, block): odd sizes, partial tiles on both axes, M in every bucket, K that forces split-K.
 CASES = [
     (1, 200, 300, (128, 128)),  # GEMV
-    (2, 136, 1100, (64, 128)),  # GEMV, two activation rows, K off the step
+    (1, 136, 1100, (64, 128)),  # GEMV, K off the step
     (3, 130, 257, (128, 128)),
     (16, 64, 1024, (128, 128)),  # split-K: one column tile, 8 K steps
     (17, 96, 160, (64, 32)),
@@ -93,24 +93,24 @@ def test_split_k_and_every_bucket_are_exercised():
 
 
 def test_gemv_config_choices():
-    """GEMV from 1 to GEMV_MAX_M rows only, rows rounded up to a power of two, a row tile that
-    divides the scale tile's rows (none: the tensor-core kernel), split-K when the grid is small."""
-    from atom.ops.fp8_gemm_triton import GEMV_MAX_M, gemv_config
+    """GEMV for GEMV_MAX_M rows only, a row tile that divides the scale tile's rows (none: the
+    tensor-core kernel), split-K only when the grid has fewer programs than SMs."""
+    from atom.ops.fp8_gemm_triton import GEMV_BLOCK_N, GEMV_MAX_M, gemv_config
 
     assert gemv_config(GEMV_MAX_M + 1, 4096, 4096, 128, 132) is None
-    assert gemv_config(1, 4096, 4096, 6, 132) is None  # 6-row scale tiles: no 4 / 8 / 16 row tile fits
+    assert gemv_config(1, 4096, 4096, 6, 132) is None  # 6-row scale tiles: no 8 / 4 row tile fits
+    assert gemv_config(1, 4096, 4096, 4, 132).block_n == GEMV_BLOCK_N // 2
     c = gemv_config(1, 6144, 4096, 128, 132)
-    assert c.gemv and c.block_m == 1 and 128 % c.block_n == 0 and c.split_k == 1
-    assert gemv_config(2, 6144, 4096, 128, 132).block_m == 2
-    assert gemv_config(1, 512, 16384, 128, 132).split_k > 1  # 32-128 programs on 132 SMs
-    assert gemv_config(1, 100, 300, 64, 8).block_n == 4  # the widest tile leaves too few programs
+    assert c.gemv and c.block_m == 1 and c.block_n == GEMV_BLOCK_N and c.split_k == 1
+    assert gemv_config(1, 2112, 7168, 128, 132).split_k == 1  # 264 programs on 132 SMs
+    assert gemv_config(1, 512, 16384, 128, 132).split_k > 1  # 64 programs
+    assert gemv_config(1, 96, 300, 64, 8).block_k == 512  # K below the tile: one step
 
 
-@pytest.mark.parametrize("rows,m,split,bias", [(1, 1, 3, True), (2, 5, 2, False), (1, 3, 1, True), (2, 1, 1, True)])
-def test_gemv_forms_match_reference(rows, m, split, bias):
-    """The GEMV kernel's forced forms: more activation rows than the batch, several row groups,
-    split-K with and without a bias, a K tile wider than the scale tile (per-column scales) and
-    narrower."""
+@pytest.mark.parametrize("m,split,bias", [(1, 3, True), (5, 2, False), (3, 1, True)])
+def test_gemv_forms_match_reference(m, split, bias):
+    """The GEMV kernel's forced forms: several rows (one program row each), split-K with and
+    without a bias, a K tile wider than the scale tile (per-column scales) and narrower."""
     from atom.ops.fp8_gemm_triton import GemmConfig, fp8_block_gemm_fwd
 
     w, s = _weights(72, 700, (8, 64))
@@ -119,14 +119,11 @@ def test_gemv_forms_match_reference(rows, m, split, bias):
     want = fp8_block_gemm.reference(x, w, s, (8, 64), bias=b).float()
     for bk in (32, 256):
         got = fp8_block_gemm_fwd(x, w, s, (8, 64), x_scale=None, bias=b, out_dtype=torch.bfloat16,
-                                 config=GemmConfig(rows, 8, bk, 1, 4, 1, False, split, gemv=True))
+                                 config=GemmConfig(1, 8, bk, 1, 4, 1, False, split, gemv=True))
         torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
-    with pytest.raises(ValueError, match="1 or 2 activation rows"):
-        fp8_block_gemm_fwd(x, w, s, (8, 64), x_scale=None, bias=b, out_dtype=torch.bfloat16,
-                           config=GemmConfig(4, 8, 64, 1, 4, 1, False, 1, gemv=True))
     with pytest.raises(ValueError, match="must divide the scale tile"):
         fp8_block_gemm_fwd(x, w, s, (8, 64), x_scale=None, bias=b, out_dtype=torch.bfloat16,
-                           config=GemmConfig(rows, 16, 64, 1, 4, 1, False, 1, gemv=True))
+                           config=GemmConfig(1, 16, 64, 1, 4, 1, False, 1, gemv=True))
 
 
 def test_gemv_unscaled_weight():
@@ -182,7 +179,7 @@ def test_warm_up_compiles_every_bucket():
     w, s = _weights(64, 128, (64, 64))
     n = warm_up_fp8_block_gemm(w, s, (64, 64), act_dtype=torch.bfloat16, w8a8_from=65, force=True)
     assert n == len(warm_up_sizes(65)) and 65 in warm_up_sizes(65) and 1 in warm_up_sizes(65)
-    assert {1, 2, 3, 17, 65, 257} <= set(warm_up_sizes(17))  # every GEMV row count and tile bucket
+    assert {1, 2, 17, 65, 257} <= set(warm_up_sizes(17))  # the GEMV and every tile bucket
     assert warm_up_fp8_block_gemm(w, s, (64, 64), act_dtype=torch.bfloat16, w8a8_from=65, force=True) == 0
 
 

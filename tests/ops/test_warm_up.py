@@ -88,7 +88,7 @@ def test_gpu_no_compile_after_fp8_linear_warm_up():
     kernels = (gt._fp8_gemm_kernel, gt._gemv_kernel, gt._split_k_sum_kernel, ft._rms_norm_quant_kernel,
                ft._silu_and_mul_quant_kernel)
     before = [_compiled(kern) for kern in kernels]
-    for m in (1, 2, 3, 5, 16, 17, 33, 64, 65, 100, 128, 256, 257, 1000, 4096):
+    for m in (1, 2, 5, 16, 17, 33, 64, 65, 100, 128, 256, 257, 1000, 4096):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for column in (False, True):
             y, r, q, s = ops.rms_norm_quant_fp8(x, nw, 1e-6, x, 128, column)
