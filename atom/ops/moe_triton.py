@@ -305,17 +305,17 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, block_k_quant: Opt
         if per_expert <= 16:
             return MoeConfig(16, 64, 128, bk, 1, 4, 3)
         # BLOCK_N1 = block_k: two fp32 accumulators of that width need 8 warps to stay in
-        # registers (4 warps spill at BLOCK_M >= 32, ptxas sm_90)
-        if per_expert <= 64:
-            return MoeConfig(32, bk, 128, bk, 8, 8, 3)
+        # registers (4 warps spill at BLOCK_M >= 32, ptxas sm_90). 64-row tiles from 17 tokens per
+        # expert: the H100 edge sweep (bench/NOTES.md entry 26) had them 0.60-0.93x the 32-row
+        # tiles' time at 24-64 tokens per expert, and tied with the 16-row ones at 16.
         return MoeConfig(64, bk, 128, bk, 8, 8, 4)
     if per_expert <= 4:
         return MoeConfig(16, 32, 64, 128, 1, 4, 4)
     if per_expert <= 16:
         return MoeConfig(16, 64, 128, 128, 1, 4, 3)
-    if per_expert <= 64:
-        return MoeConfig(32, 64, 128, 64, 8, 4, 4)
-    if per_expert <= 128:
+    # 64-row tiles up to 192 tokens per expert (the sweep: 0.92-0.96x the 32-row tiles' time at
+    # 32-64, 0.92x the 128-row ones' at 160; 128 rows lead from 256)
+    if per_expert <= 192:
         return MoeConfig(64, 64, 128, 64, 8, 4, 4)
     return MoeConfig(128, 64, 128, 64, 8, 8, 4)
 
@@ -326,7 +326,7 @@ def align_chunk(num_pairs: int) -> int:
 
 
 #: ``moe_config``'s tokens-per-expert bucket edges (bf16; the fp8 edges are a subset).
-MOE_CONFIG_EDGES = (4, 16, 64, 128)
+MOE_CONFIG_EDGES = (4, 16, 192)
 
 
 def warm_up_token_counts(top_k: int, num_local: int) -> list[int]:
