@@ -271,6 +271,15 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_bool, _BOOL,
         ),
         EnvVar(
+            "ATOM_BF16_GEMV", "bool", "0",
+            "Unquantised (bf16 / fp16) linears of atom's models on GPUs: 1 = a step of one token runs "
+            "atom's Triton GEMV instead of cuBLAS (0.73-0.93x cuBLAS's time per layer on the H100 at "
+            "Qwen3 / DeepSeek-V3 shapes, docs/performance.md), compiled at load; batches of two or more "
+            "tokens stay on cuBLAS. Off by default until measured end to end. The output head is not "
+            "included.",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
             "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", "bool", "0",
             "Serve 128x128 block-fp8 checkpoints of dense architectures (Qwen3-FP8, Llama) with "
             "atom's models on NVIDIA GPUs. Off by default: there atom steps aside and vLLM's own "

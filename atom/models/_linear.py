@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom import ops
+from atom import envs, ops
 from atom.models._quant import (
     FP8_DTYPE,
     PER_TENSOR_BLOCK_K,
@@ -89,6 +89,8 @@ class Fp8Linear(nn.Module):
         #: (block_n, block_k) once the weight stays fp8 for :func:`atom.ops.fp8_block_gemm`
         self.fp8_block: Optional[tuple[int, int]] = None
         self.w8a8_from: Optional[int] = None
+        #: one-token steps on :func:`atom.ops.linear` (ATOM_BF16_GEMV; set after loading)
+        self.bf16_gemv = False
         self.weight = _new_param(out, inp, dtype=FP8_DTYPE if quant is not None else dtype)
         if quant is None:
             return
@@ -109,6 +111,9 @@ class Fp8Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Repack an fp8 layer for its compute path (a no-op for an unquantised one)."""
         q = self.quant
+        if q is None and self.weight.dtype in (torch.bfloat16, torch.float16) and envs.ATOM_BF16_GEMV:
+            self.bf16_gemv = True  # one-token steps on atom's GEMV (ATOM_BF16_GEMV), compiled now
+            ops.warm_up_linear(self.weight, has_bias=getattr(self, "bias", None) is not None)
         if q is None or self.weight.dtype != FP8_DTYPE or self.fp8_gemm or self.fp8_block is not None:
             return  # unquantised, or already processed
         if q.dequantize:
@@ -206,6 +211,10 @@ class Fp8Linear(nn.Module):
         if not self.fp8_gemm:
             if self.weight.dtype == FP8_DTYPE:
                 raise RuntimeError("fp8 layer used before process_weights_after_loading() repacked it")
+            if self.bf16_gemv:
+                shape = x.shape
+                y = ops.linear(x.reshape(-1, shape[-1]), self.weight, bias)
+                return y.reshape(*shape[:-1], y.shape[-1])
             return F.linear(x, self.weight, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])

@@ -30,16 +30,17 @@ __all__ += [
 
 # Compute ops (paged attention, MLA, fused MoE): importing the modules registers them in OPS.
 # They import only torch; their Triton kernels load on the first Triton call.
-from atom.ops import attention, fp8_gemm, mla, moe, moe_routing  # noqa: E402,F401
+from atom.ops import attention, fp8_gemm, linear as _linear_module, mla, moe, moe_routing  # noqa: E402,F401
 from atom.ops.attention import paged_attention, warm_up_paged_attention  # noqa: E402
 from atom.ops.mla import mla_decode, mla_write_latent_cache, warm_up_mla_decode  # noqa: E402
 from atom.ops.fp8_gemm import fp8_block_gemm, warm_up_fp8_block_gemm  # noqa: E402
+from atom.ops.linear import linear, warm_up_linear  # noqa: E402
 from atom.ops.moe import fused_moe, warm_up_fused_moe  # noqa: E402
 from atom.ops.moe_routing import grouped_topk_sigmoid, topk_softmax  # noqa: E402
 
 __all__ += ["paged_attention", "mla_decode", "mla_write_latent_cache", "fused_moe",
             "grouped_topk_sigmoid", "topk_softmax", "warm_up_paged_attention", "warm_up_fused_moe",
-            "fp8_block_gemm", "warm_up_fp8_block_gemm",
+            "fp8_block_gemm", "warm_up_fp8_block_gemm", "linear", "warm_up_linear",
             "warm_up_mla_decode"]
 
 # While torch.compile traces, the ops above become torch.ops.atom.* custom-op nodes (importing

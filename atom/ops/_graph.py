@@ -45,6 +45,7 @@ import torch
 
 from atom.ops.activation import SILU_AND_MUL
 from atom.ops.fp8_gemm import fp8_block_gemm
+from atom.ops.linear import linear
 from atom.ops.fused_quant import rms_norm_quant_fp8, silu_and_mul_quant_fp8
 from atom.ops.moe import fused_moe
 from atom.ops.moe_routing import grouped_topk_sigmoid, topk_softmax
@@ -240,6 +241,22 @@ def _fp8_block_gemm_graph(x, weight, weight_scale, block_shape, *, x_scale=None,
     y = torch.ops.atom.fp8_block_gemm(x, weight, weight_scale, [int(b) for b in block_shape], x_scale, bias,
                                       out_dtype, None if w8a8_from is None else int(w8a8_from), x_fp8, x_fp8_scale)
     return y if out is None else out.copy_(y)
+
+
+# -- float linear (ATOM_BF16_GEMV) ---------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::linear", mutates_args=())
+def _linear_node(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _fresh(linear(x, weight, bias), (x, weight))
+
+
+@_linear_node.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@linear.graph
+def _linear_graph(x, weight, bias=None):
+    return torch.ops.atom.linear(x, weight, bias)
 
 
 # -- producers that also quantise (atom.ops.fused_quant) ----------------------------------------

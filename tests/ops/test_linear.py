@@ -1,0 +1,113 @@
+"""atom.ops.linear (float weights): the Triton GEMV for one token against ``F.linear``, batches
+left to the reference, the load-time warm-up, and atom's linears calling it only with
+ATOM_BF16_GEMV=1. On CPU under the Triton interpreter; a real shape on a GPU (``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atom import ops
+from atom.ops import linear
+from tests.ops._helpers import DEVICE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,bias", [(200, 300, True), (16, 1100, False), (72, 64, True)])
+def test_gemv_matches_reference(n, k, bias, dtype):
+    """Odd N and K, K below / above the GEMV's K tile, a grid small enough for split-K."""
+    w = torch.randn(n, k, device=DEVICE).to(dtype)
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = linear.run("triton", x, w, b)
+    assert got.dtype == dtype and got.shape == (1, n)
+    torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+def test_only_one_token_takes_the_gemv():
+    from atom.ops.linear import _triton_supports
+
+    w = torch.randn(64, 32, device=DEVICE).to(torch.bfloat16)
+    assert _triton_supports(torch.randn(1, 32, device=DEVICE).to(torch.bfloat16), w) is None
+    assert "single row" in _triton_supports(torch.randn(2, 32, device=DEVICE).to(torch.bfloat16), w)
+    assert "dtype" in _triton_supports(torch.randn(1, 32, device=DEVICE), w)
+    assert "unit-stride" in _triton_supports(torch.randn(1, 64, device=DEVICE).to(torch.bfloat16)[:, ::2], w)
+    x = torch.randn(3, 32, device=DEVICE).to(torch.bfloat16)
+    torch.testing.assert_close(ops.linear(x, w), F.linear(x, w))  # a batch: the reference, any backend
+
+
+def test_warm_up_once_per_shape():
+    w = torch.randn(40, 96).to(torch.bfloat16)
+    assert ops.warm_up_linear(w) == 0  # CPU: the op runs the reference, nothing to compile
+    assert ops.warm_up_linear(w, force=True) == 1
+    assert ops.warm_up_linear(w, force=True) == 0
+    assert ops.warm_up_linear(w.float(), force=True) == 0  # fp32 weights never take the GEMV
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_atom_linears_call_it_only_when_enabled(monkeypatch, enabled):
+    """ATOM_BF16_GEMV=1: a bf16 layer routes through ops.linear after loading (and warms it up);
+    unset, or an fp32 layer: F.linear as before. Same numbers either way."""
+    from atom.models import _linear
+    from atom.models._linear import ColumnParallelLinear, RowParallelLinear
+    from atom.models.interfaces import ModelParallel
+
+    monkeypatch.setenv("ATOM_BF16_GEMV", "1" if enabled else "0")
+    calls, warm, real = [], [], ops.linear
+    monkeypatch.setattr(_linear.ops, "linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(_linear.ops, "warm_up_linear", lambda w, has_bias=False: warm.append((w.shape, has_bias)) or 0)
+    col = ColumnParallelLinear.merged(32, [24], ModelParallel(), bias=True, dtype=torch.bfloat16)
+    row = RowParallelLinear(24, 32, ModelParallel(), dtype=torch.float32)
+    torch.nn.init.normal_(col.bias)
+    for layer in (col, row):
+        torch.nn.init.normal_(layer.weight)
+        layer.process_weights_after_loading()
+    assert col.bf16_gemv is enabled and row.bf16_gemv is False
+    assert warm == ([(torch.Size([24, 32]), True)] if enabled else [])
+    x = torch.randn(1, 1, 32).to(torch.bfloat16)
+    torch.testing.assert_close(col(x).float(), F.linear(x, col.weight, col.bias).float())
+    assert calls == ([torch.Size([1, 32])] if enabled else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_real_shape():
+    w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x.float(), w.float())
+    torch.testing.assert_close(ops.linear(x, w).float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+def test_traced_as_one_graph_node():
+    """Under torch.compile the call is one ``torch.ops.atom.linear`` node (its fake gives the
+    output shape for any batch), with the reference's numbers."""
+    w = torch.randn(24, 32).to(torch.bfloat16)
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    fn = torch.compile(lambda x: ops.linear(x, w) * 2, backend=backend, fullgraph=True, dynamic=True)
+    for m in (1, 5):
+        x = torch.randn(m, 32).to(torch.bfloat16)
+        torch.testing.assert_close(fn(x), F.linear(x, w) * 2)
+    assert "atom.linear" in seen and "aten" not in " ".join(seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton's compile caches)")
+def test_gpu_no_compile_after_warm_up():
+    from atom.ops import fp8_gemm_triton as gt
+    from tests.ops.test_warm_up import _compiled
+
+    for bias in (False, True):
+        w = torch.randn(4096, 12288, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(4096, device="cuda", dtype=torch.bfloat16) if bias else None
+        ops.warm_up_linear(w, has_bias=bias)
+        before = _compiled(gt._gemv_kernel)
+        ops.linear(torch.randn(1, 12288, device="cuda", dtype=torch.bfloat16), w, b)
+        torch.cuda.synchronize()
+        assert _compiled(gt._gemv_kernel) == before
