@@ -46,6 +46,15 @@ def _tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
 
 
+@triton.jit
+def _k_steps(K, BLOCK_K: tl.constexpr, split_k, pid_k):
+    """This split's K steps ``[kt0, kt1)`` of ``BLOCK_K`` (split-K program ``pid_k`` of ``split_k``)."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, split_k)
+    kt0 = pid_k * per_split
+    return kt0, tl.minimum(kt0 + per_split, k_tiles)
+
+
 @triton.jit(do_not_specialize=["M", "split_k", "stride_xsm", "stride_xsk"])
 def _fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, split_k,
@@ -63,10 +72,7 @@ def _fp8_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
     nmask = offs_n < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, split_k)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    kt0, kt1 = _k_steps(K, BLOCK_K, split_k, pid_k)
 
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (kt0 * BLOCK_K + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (kt0 * BLOCK_K + offs_k)[:, None]
@@ -135,10 +141,7 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     nmask = offs_n < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, split_k)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    kt0, kt1 = _k_steps(K, BLOCK_K, split_k, pid_k)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kt0 * BLOCK_K + offs_k)[None, :]
     x_ptrs = x_ptr + m.to(tl.int64) * stride_xm + kt0 * BLOCK_K + offs_k
     ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_BN) * stride_wsn
@@ -280,6 +283,26 @@ def gemm_config(m: int, n: int, k: int, block_k: int, a_fp8: bool, sms: int) -> 
     return cfg
 
 
+def _split_k_target(out: torch.Tensor, split: int) -> tuple[torch.Tensor, int, int]:
+    """Where a GEMM kernel writes: ``out`` itself, or ``split`` fp32 partial outputs to add up
+    (:func:`_split_k_sum`). Returns (target, split stride, row stride)."""
+    if split == 1:
+        return out, 0, out.stride(0)
+    m, n = out.shape
+    return torch.empty(split, m, n, dtype=torch.float32, device=out.device), m * n, n
+
+
+def _split_k_sum(target: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, split: int) -> torch.Tensor:
+    """``out`` = the sum of the split-K partials (+ bias); nothing when the kernel wrote ``out``."""
+    if split > 1:
+        m, n = out.shape
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else target, out, m, n, out.stride(0),
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+    return out
+
+
 def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        block_shape: tuple[int, int], *, x_scale: Optional[torch.Tensor],
                        bias: Optional[torch.Tensor], out_dtype: torch.dtype,
@@ -302,11 +325,7 @@ def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     upcast = triton_interpreting()
     _, prec = dot_flags(torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
     split = cfg.split_k
-    if split > 1:
-        target = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        stride_ys, stride_ym = m * n, n
-    else:
-        target, stride_ys, stride_ym = out, 0, out.stride(0)
+    target, stride_ys, stride_ym = _split_k_target(out, split)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     xs = x_scale if x_scale is not None else weight_scale  # unused pointer when not A_FP8
     _fp8_gemm_kernel[grid](
@@ -318,12 +337,7 @@ def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         EVEN_K=k % cfg.block_k == 0, UPCAST=upcast, PREC=prec,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
-    if split > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else target, out, m, n, out.stride(0),
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
-    return out
+    return _split_k_sum(target, bias, out, split)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
@@ -337,11 +351,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Te
     if weight_scale is not None and block_shape[0] % cfg.block_n:
         raise ValueError(f"GEMV row tile {cfg.block_n} must divide the scale tile's {block_shape[0]} rows")
     split = cfg.split_k
-    if split > 1:
-        target = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        stride_ys, stride_ym = m * n, n
-    else:
-        target, stride_ys, stride_ym = out, 0, out.stride(0)
+    target, stride_ys, stride_ym = _split_k_target(out, split)
     ws = weight_scale if weight_scale is not None else weight
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split, m)](
         x, weight, ws, bias if bias is not None else ws, target, m, n, k, split,
@@ -351,12 +361,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Te
         ADD_BIAS=bias is not None and split == 1, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
-    if split > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else target, out, m, n, out.stride(0),
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
-    return out
+    return _split_k_sum(target, bias, out, split)
 
 
 def warm_up_sizes(w8a8_from: Optional[int]) -> list[int]:
