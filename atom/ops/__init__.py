@@ -30,7 +30,7 @@ __all__ += [
 
 # Compute ops (paged attention, MLA, fused MoE): importing the modules registers them in OPS.
 # They import only torch; their Triton kernels load on the first Triton call.
-from atom.ops import attention, fp8_gemm, linear as _linear_module, mla, moe, moe_routing  # noqa: E402,F401
+from atom.ops import attention, fp8_gemm, mla, moe, moe_routing  # noqa: E402,F401
 from atom.ops.attention import paged_attention, warm_up_paged_attention  # noqa: E402
 from atom.ops.mla import mla_decode, mla_write_latent_cache, warm_up_mla_decode  # noqa: E402
 from atom.ops.fp8_gemm import fp8_block_gemm, warm_up_fp8_block_gemm  # noqa: E402
