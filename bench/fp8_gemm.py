@@ -315,7 +315,7 @@ def run_gemv_sweep(dev, budget: float) -> list[dict]:
     import dataclasses
     import time as _time
 
-    from atom.ops.fp8_gemm_triton import _gemv, fp8_block_gemm_fwd, gemm_config, gemv_config, num_sms
+    from atom.ops.fp8_gemm_triton import GemmConfig, _gemv, fp8_block_gemm_fwd, gemm_config, gemv_config, num_sms
 
     sms, out, t_end = num_sms(dev), [], _time.time() + budget
 
@@ -343,60 +343,48 @@ def run_gemv_sweep(dev, budget: float) -> list[dict]:
             cs = f"bn {c['block_n']} bk {c['block_k']} w {c['warps']} st {c['stages']} split {c['split_k']}" if c else ""
             print(f"[gemv] {label:<18} M={m} {r['kind']:<14} {r['us']:7.1f} us ({r['hbm_pct']:3.0f}% HBM) {cs}", flush=True)
 
-    best: dict[str, list] = {}
     for label, n, k in GEMV_SHAPES:
         copies = max(2, int(300e6 // (n * k)) + 1)
         ws = [(torch.randn(n, k, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(copies)]
         ss = [torch.rand(-(-n // 128), -(-k // 128), device=dev) * 1e-3 for _ in range(copies)]
-        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        o = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in (1, 2)}
+        outs = {m: torch.empty(m, n, device=dev, dtype=torch.bfloat16) for m in (1, 2)}
 
-        def fns(cfg, x=x, o=o, ws=ws, ss=ss):
-            return [lambda w=w, s=s: _gemv(x, w, s, BLOCK, None, o, cfg) for w, s in zip(ws, ss)]
+        def gemv(m, cfg, ws=ws, ss=ss, xs=xs, outs=outs):  # the kernel forced to ``cfg``, weights rotating
+            return [lambda w=w, s=s: _gemv(xs[m], w, s, BLOCK, None, outs[m], cfg) for w, s in zip(ws, ss)]
+
+        def op(m, cfg, ws=ws, ss=ss, xs=xs):  # the op's dispatch with ``cfg``
+            return [lambda w=w, s=s: fp8_block_gemm_fwd(xs[m], w, s, BLOCK, x_scale=None, bias=None,
+                                                        out_dtype=torch.bfloat16, config=cfg) for w, s in zip(ws, ss)]
+
         for cfg in _gemv_candidates(n, sms):
             if _time.time() > t_end:
                 break
-            rec(label, n, k, 1, "gemv", cfg, fns(cfg), n * k)
-        for kind, cfg in (("gemv default", gemv_config(1, n, k, 128, sms)), ("mma", gemm_config(1, n, k, 128, False, sms))):
-            rec(label, n, k, 1, kind, cfg, [lambda w=w, s=s, cfg=cfg: fp8_block_gemm_fwd(
-                x, w, s, BLOCK, x_scale=None, bias=None, out_dtype=torch.bfloat16, config=cfg) for w, s in zip(ws, ss)],
-                n * k)
-        show(label, 1, "gemv")
-        best[label] = sorted((r for r in out if r["shape"] == label and r["kind"] == "gemv"), key=lambda r: r["us"])[:4]
-        for m in (2,):
-            xm = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            om = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            for r in best[label]:
-                for bk in {r["cfg"]["block_k"], max(128, r["cfg"]["block_k"] // 2)}:
-                    cfg = dataclasses.replace(GemmConfigFrom(r["cfg"]), block_m=m, block_k=bk)
-                    rec(label, n, k, m, "gemv", cfg, [lambda w=w, s=s, cfg=cfg: _gemv(xm, w, s, BLOCK, None, om, cfg)
-                                                      for w, s in zip(ws, ss)], n * k)
+            rec(label, n, k, 1, "gemv", cfg, gemv(1, cfg), n * k)
+        best = sorted((r for r in out if r["shape"] == label and r["kind"] == "gemv"), key=lambda r: r["us"])[:4]
+        for r in best:  # two rows: one program row each, at the best tiles' K and half of it
+            for bk in {r["cfg"]["block_k"], max(128, r["cfg"]["block_k"] // 2)}:
+                cfg = dataclasses.replace(GemmConfig(**r["cfg"]), block_k=bk)
+                rec(label, n, k, 2, "gemv", cfg, gemv(2, cfg), n * k)
+        for m in (1, 2):
             for kind, cfg in (("gemv default", gemv_config(m, n, k, 128, sms)),
                               ("mma", gemm_config(m, n, k, 128, False, sms))):
                 if cfg is not None:
-                    rec(label, n, k, m, kind, cfg, [lambda w=w, s=s, cfg=cfg: fp8_block_gemm_fwd(
-                        xm, w, s, BLOCK, x_scale=None, bias=None, out_dtype=torch.bfloat16, config=cfg)
-                        for w, s in zip(ws, ss)], n * k)
+                    rec(label, n, k, m, kind, cfg, op(m, cfg), n * k)
             show(label, m, "gemv")
         del ws, ss
         # bf16 weights (lever 4: the dense bf16 decode GEMVs) against cuBLAS at M = 1
         wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(max(2, int(300e6 // (2 * n * k)) + 1))]
-        rec(label, n, k, 1, "bf16 cublas", None, [lambda w=w: torch.mm(x, w.t()) for w in wb], 2 * n * k)
-        for r in best[label]:
+        rec(label, n, k, 1, "bf16 cublas", None, [lambda w=w: torch.mm(xs[1], w.t()) for w in wb], 2 * n * k)
+        for r in best:
             for bk in {r["cfg"]["block_k"], max(128, r["cfg"]["block_k"] // 2)}:
-                cfg = dataclasses.replace(GemmConfigFrom(r["cfg"]), block_k=bk)
-                rec(label, n, k, 1, "bf16 gemv", cfg, [lambda w=w, cfg=cfg: _gemv(x, w, None, BLOCK, None, o, cfg)
+                cfg = dataclasses.replace(GemmConfig(**r["cfg"]), block_k=bk)
+                rec(label, n, k, 1, "bf16 gemv", cfg, [lambda w=w, cfg=cfg: _gemv(xs[1], w, None, None, None, outs[1], cfg)
                                                        for w in wb], 2 * n * k)
         show(label, 1, "bf16 gemv", ("bf16 cublas",))
         del wb
         torch.cuda.empty_cache()
     return out
-
-
-def GemmConfigFrom(d: dict):
-    from atom.ops.fp8_gemm_triton import GemmConfig
-
-    return GemmConfig(**d)
 
 
 def table(rows: list[dict]) -> str:

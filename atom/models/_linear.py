@@ -109,7 +109,8 @@ class Fp8Linear(nn.Module):
                              f"block-scaled checkpoints need tensor-parallel shards on tile boundaries")
 
     def process_weights_after_loading(self) -> None:
-        """Repack an fp8 layer for its compute path (a no-op for an unquantised one)."""
+        """Repack an fp8 layer for its compute path; an unquantised bf16 / fp16 one takes the
+        one-token GEMV with ``ATOM_BF16_GEMV`` (warmed up now), and is otherwise left as it is."""
         q = self.quant
         if q is None and self.weight.dtype in (torch.bfloat16, torch.float16) and envs.ATOM_BF16_GEMV:
             self.bf16_gemv = True  # one-token steps on atom's GEMV (ATOM_BF16_GEMV), compiled now
@@ -203,25 +204,28 @@ class Fp8Linear(nn.Module):
     def _matmul(self, x: Activation, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         act, x = (x, x.x) if isinstance(x, QuantizedActivation) else (None, x)
         if self.fp8_block is not None:
-            shape = x.shape
             fp8_in = {} if act is None or x.dim() != 2 else dict(x_fp8=act.q, x_fp8_scale=act.scale)
-            y = ops.fp8_block_gemm(x.reshape(-1, shape[-1]), self.weight, self.weight_scale_inv, self.fp8_block,
-                                   bias=bias, w8a8_from=self.w8a8_from, **fp8_in)
-            return y.reshape(*shape[:-1], y.shape[-1])
+            return _on_rows(x, lambda x2: ops.fp8_block_gemm(x2, self.weight, self.weight_scale_inv, self.fp8_block,
+                                                             bias=bias, w8a8_from=self.w8a8_from, **fp8_in))
         if not self.fp8_gemm:
             if self.weight.dtype == FP8_DTYPE:
                 raise RuntimeError("fp8 layer used before process_weights_after_loading() repacked it")
             if self.bf16_gemv:
-                shape = x.shape
-                y = ops.linear(x.reshape(-1, shape[-1]), self.weight, bias)
-                return y.reshape(*shape[:-1], y.shape[-1])
+                return _on_rows(x, lambda x2: ops.linear(x2, self.weight, bias))
             return F.linear(x, self.weight, bias)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        xq, xs = quantize_per_tensor(x2, getattr(self, "input_scale", None))
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
-                             bias=bias, out_dtype=x.dtype)
-        return y.reshape(*shape[:-1], y.shape[-1])
+
+        def scaled_mm(x2: torch.Tensor) -> torch.Tensor:
+            xq, xs = quantize_per_tensor(x2, getattr(self, "input_scale", None))
+            return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale,
+                                    bias=bias, out_dtype=x.dtype)
+        return _on_rows(x, scaled_mm)
+
+
+def _on_rows(x: torch.Tensor, fn) -> torch.Tensor:
+    """``fn`` (a GEMM of 2-D activations) on ``x [..., K]`` flattened to rows, reshaped back."""
+    shape = x.shape
+    y = fn(x.reshape(-1, shape[-1]))
+    return y.reshape(*shape[:-1], y.shape[-1])
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import FP8_DTYPE
+from atom.ops._common import FP8_DTYPE, next_pow2
 from atom.ops._dispatch import triton_interpreting
 from atom.ops.common_triton import dot_flags
 
@@ -198,7 +198,7 @@ class GemmConfig:
     stages: int
     swap_ab: bool
     split_k: int = 1
-    #: the tensor-core-free GEMV kernel (``block_m`` is then its activation rows, a power of two)
+    #: the tensor-core-free GEMV kernel (one program row per activation row; ``block_m`` unused)
     gemv: bool = False
 
 
@@ -239,21 +239,18 @@ GEMV_MAX_M = 1
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 8, 1024, 4
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
-
-def gemv_config(m: int, n: int, k: int, scale_bn: int, sms: int) -> Optional[GemmConfig]:
-    """The GEMV configuration for an ``m x n x k`` W8A16 product, or None where it does not
-    apply (``m`` above :data:`GEMV_MAX_M`, or neither :data:`GEMV_BLOCK_N` nor half of it
-    divides the scale tile's ``scale_bn`` rows). Split-K only while the grid has fewer programs
-    than SMs (the sweep: splitting a grid of >= 1 program per SM lost more often than it won)."""
+def gemv_config(m: int, n: int, k: int, scale_bn: Optional[int], sms: int) -> Optional[GemmConfig]:
+    """The GEMV configuration for an ``m x n x k`` product, or None where it does not apply
+    (``m`` above :data:`GEMV_MAX_M`, or neither :data:`GEMV_BLOCK_N` nor half of it divides the
+    scale tile's ``scale_bn`` rows; None: an unscaled weight). Split-K only while the grid has
+    fewer programs than SMs (the sweep: splitting a grid of >= 1 program per SM lost more often
+    than it won)."""
     if m > GEMV_MAX_M:
         return None
-    bn = next((b for b in (GEMV_BLOCK_N, GEMV_BLOCK_N // 2) if b and scale_bn % b == 0), None)
+    bn = next((b for b in (GEMV_BLOCK_N, GEMV_BLOCK_N // 2) if scale_bn is None or scale_bn % b == 0), None)
     if bn is None:
         return None
-    bk = max(64, min(GEMV_BLOCK_K, _next_pow2(k)))
+    bk = max(64, min(GEMV_BLOCK_K, next_pow2(k)))
     tiles, steps, split = -(-n // bn), -(-k // bk), 1
     while tiles * split < sms and steps // (split * 2) >= 2:
         split *= 2
@@ -341,14 +338,16 @@ def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
-          block_shape: tuple[int, int], bias: Optional[torch.Tensor], out: torch.Tensor,
+          block_shape: Optional[tuple[int, int]], bias: Optional[torch.Tensor], out: torch.Tensor,
           cfg: GemmConfig) -> torch.Tensor:
     """The GEMV kernel (``cfg.gemv``; one program row per row of the float ``x``);
-    ``weight_scale`` None: an unscaled weight of any float dtype (the bf16 GEMV
-    bench/fp8_gemm.py times against cuBLAS)."""
+    ``weight_scale`` and ``block_shape`` None: an unscaled weight of any float dtype
+    (:func:`atom.ops.linear`)."""
     m, k = x.shape
     n = weight.shape[0]
-    if weight_scale is not None and block_shape[0] % cfg.block_n:
+    if weight_scale is None:
+        block_shape = (1, 1)  # the scale tile's constexprs, unused without scales
+    elif block_shape[0] % cfg.block_n:
         raise ValueError(f"GEMV row tile {cfg.block_n} must divide the scale tile's {block_shape[0]} rows")
     split = cfg.split_k
     target, stride_ys, stride_ym = _split_k_target(out, split)

@@ -42,12 +42,11 @@ def _triton_supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 @linear.triton(supports=_triton_supports, dtypes=_HALF)
 def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    from atom.ops.fp8_gemm_triton import GEMV_BLOCK_N, _gemv, gemv_config, num_sms
+    from atom.ops.fp8_gemm_triton import _gemv, gemv_config, num_sms
 
     n, k = weight.shape
-    cfg = gemv_config(1, n, k, GEMV_BLOCK_N, num_sms(x.device))
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    return _gemv(x, weight, None, (GEMV_BLOCK_N, GEMV_BLOCK_N), bias, out, cfg)
+    cfg = gemv_config(1, n, k, None, num_sms(x.device))
+    return _gemv(x, weight, None, None, bias, torch.empty(1, n, dtype=x.dtype, device=x.device), cfg)
 
 
 def warm_up_linear(weight: torch.Tensor, has_bias: bool = False, force: bool = False) -> int:

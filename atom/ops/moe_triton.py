@@ -351,7 +351,9 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, a
     served batch of that size (batches above vLLM's largest CUDA-graph size are never captured,
     and a 1,024-2,048-token prefill chunk otherwise stalls on the JIT). ``kwargs``: the layer's
     :func:`fused_moe_fwd` keywords (expert_map, fp8 scales, biases, activation); the tokens are
-    ``act_dtype`` zeros. Returns the number of launches."""
+    ``act_dtype`` zeros routed over ``num_experts`` (the global count under EP), while the tile
+    buckets count ``w13``'s local experts, as :func:`fused_moe_fwd` does. Returns the number of
+    launches."""
     hidden, dev = w13.shape[2], w13.device
     counts = warm_up_token_counts(top_k, w13.shape[0])
     for t in counts:
