@@ -24,7 +24,10 @@ Configurations (``--configs``, comma separated; the first is the reference):
 the torch reference for all ops / one op), ``atom-fa`` (atom's model on vLLM's default attention,
 ``ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1``), ``vllm-model-atom-attn`` (vLLM's own model class on
 atom's attention backend), ``stock-triton`` (stock on vLLM's TRITON_ATTN: a second stock backend,
-the rounding-noise floor between two correct implementations). One engine per subprocess.
+the rounding-noise floor between two correct implementations), ``hf`` (HF transformers' own model:
+the second oracle, free-running greedy through ``generate`` and the teacher-forced scores of one
+forward pass per sequence). Any of them with ``-fp32`` runs in float32 (eager). One engine per
+subprocess.
 
     python bench/agreement.py --model-kind dense --out /tmp/out/agree.json           # H100
     python bench/agreement.py --smoke --out /tmp/agree_smoke.json                    # CPU
@@ -61,36 +64,82 @@ VLLM_CLASSES = {
 
 
 def config_spec(name: str) -> dict:
-    """(side, dtype, eager, extra env, vLLM's model class?, extra LLM kwargs) of a config name."""
+    """(side, dtype, eager, extra env, vLLM's model class?, extra LLM kwargs) of a config name; a
+    ``-fp32`` suffix runs any config in float32 (eager unless the base config compiles)."""
     spec: dict[str, Any] = {"name": name, "side": "atom", "dtype": "bfloat16", "eager": True, "env": {},
-                            "vllm_model": False, "llm": {}}
-    if name.startswith("stock"):
+                            "vllm_model": False, "llm": {}, "hf": False}
+    base = name[: -len("-fp32")] if name.endswith("-fp32") else name
+    if base.startswith("stock"):
         spec["side"] = "stock"
     if name.endswith("-fp32"):
         spec["dtype"] = "float32"
-    if name in ("stock", "atom"):
+    if base in ("stock", "atom") and not name.endswith("-fp32"):
         spec["eager"] = False
-    if name == "atom-torch-ops":
+    if base == "atom-torch-ops":
         spec["env"]["ATOM_OPS_BACKEND"] = "torch"
-    elif name.startswith("atom-torch-"):
-        spec["env"]["ATOM_OPS_BACKEND"] = f"{name[len('atom-torch-'):]}=torch"
-    if name == "atom-fa":
+    elif base.startswith("atom-torch-"):
+        spec["env"]["ATOM_OPS_BACKEND"] = f"{base[len('atom-torch-'):]}=torch"
+    if base == "atom-fa":
         spec["env"]["ATOM_DISABLE_VLLM_PLUGIN_ATTENTION"] = "1"
-    if name == "vllm-model-atom-attn":
+    if base == "vllm-model-atom-attn":
         spec["vllm_model"] = True
-    if name == "stock-triton":
+    if base == "stock-triton":
         spec["llm"]["attention_config"] = {"backend": "TRITON_ATTN"}
-    known = {"stock-fp32", "atom-fp32", "stock", "atom", "stock-eager", "atom-eager", "atom-torch-ops",
-             "atom-fa", "vllm-model-atom-attn", "stock-triton"}
-    if name not in known and not name.startswith("atom-torch-"):
-        raise SystemExit(f"unknown config {name!r}; known: {', '.join(sorted(known))}, atom-torch-<op>")
+    if base == "hf":
+        spec["hf"] = True
+    known = {"stock", "atom", "stock-eager", "atom-eager", "atom-torch-ops", "atom-fa", "vllm-model-atom-attn",
+             "stock-triton", "hf"}
+    if base not in known and not base.startswith("atom-torch-"):
+        raise SystemExit(f"unknown config {name!r}; known: {', '.join(sorted(known))}, atom-torch-<op>, "
+                         "each also with -fp32")
     return spec
+
+
+def hf_child(spec: dict, cfg: dict, out_path: str) -> None:
+    """The ``hf`` config: HF transformers' own model (the second oracle) on the GPU when there is
+    one, greedy free-running rows and the teacher-forced scores, as the vLLM configs write them."""
+    import torch
+    import transformers
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, cfg["dtype"])
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).to(dev).eval()
+    model.generation_config.eos_token_id = None  # as the engines' ignore_eos: every row n_out tokens
+    res: dict[str, Any] = {"config": cfg["name"], "init_s": round(time.perf_counter() - t0, 1),
+                           "model_class": type(model).__module__ + "." + type(model).__name__,
+                           "attention_impls": [str(model.config._attn_implementation)]}
+    prompts, n_out = spec["prompts"], spec["out_len"]
+    rows: list[dict] = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), 8):  # the prompts have one length: no padding
+            ids = torch.tensor(prompts[i:i + 8], device=dev)
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_out,
+                               do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            new = g.sequences[:, ids.shape[1]:]
+            lp = torch.stack([torch.log_softmax(step.float(), -1) for step in g.logits], 1)  # [b, n_out, V]
+            chosen = lp.gather(-1, new[..., None])[..., 0]
+            rows += [{"tokens": t.tolist(), "logprobs": c.tolist()} for t, c in zip(new, chosen)]
+        res["rows"] = rows
+        ref_path = spec.get("reference_rows")
+        seqs = json.loads(Path(ref_path).read_text()) if ref_path else rows
+        tf = []
+        for p, r in zip(prompts, seqs):
+            full = torch.tensor([p + r["tokens"]], device=dev)
+            lp = torch.log_softmax(model(full).logits[0].float(), -1)  # position i predicts token i + 1
+            pos = torch.arange(len(p), len(p) + len(r["tokens"]), device=dev)
+            tf.append({"lp": lp[pos - 1].gather(-1, full[0, pos][:, None])[:, 0].tolist(),
+                       "top1": lp[pos - 1].argmax(-1).tolist()})
+    res["tf"] = tf
+    Path(out_path).write_text(json.dumps(res))
 
 
 # ----------------------------------------------------------------------------------- child
 def child(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     cfg = spec["config"]
+    if cfg.get("hf"):
+        return hf_child(spec, cfg, out_path)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # model-class override must reach the engine
     if cfg["vllm_model"]:
         # Load the plugins now (atom registers its model overrides), then put vLLM's own class

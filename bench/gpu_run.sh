@@ -58,9 +58,10 @@
 #            puts the hottest expert at ~3.5x the mean load), checkpoint and label suffixed -zipf<skew>. AB_CONC may be
 #            a comma list (cells interleaved in the same engines). AB_LAUNCHES (default 1): fresh engine launches per side in
 #            this one command, AB_ROUNDS rounds each. AB_SIDES (comma list of stock, atom, old; default all):
-#            start only those sides, e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
+#            start only those sides (AB_SWITCH_SIDE's name included), e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
-#            MoE; the sides start one after another). -> $OUT/ab_<model>[_c<C>].json, .txt
+#            MoE; the sides start one after another). AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side, atom's
+#            new wheel with those variables (e.g. gemv:ATOM_BF16_GEMV=1). -> $OUT/ab_<model>[_c<C>].json, .txt
 #   archs    issue #17: the architectures atom serves that had not run on a GPU, each of ARCHS (default
 #            llama,mixtral; also glm4moe, gptoss: bench/e2e_models.py, random bf16 weights at Llama-3.1-8B,
 #            Mixtral-8x7B, GLM-4.5-Air, GPT-OSS-20B dims, 4 / 2 / 3 / 4 layers; AB_MODEL takes these names too)
@@ -198,6 +199,9 @@ for step in "$@"; do
             sides=(--side "stock:ATOM_DISABLE_VLLM_PLUGIN=1,PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-stock"
                    --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom${fp8_atom:-}")
             [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")
+            # AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side, the new atom with those variables (its own
+            # compile cache), e.g. gemv:ATOM_BF16_GEMV=1 -- an A/B of one switch next to stock and atom
+            [ -n "${AB_SWITCH_SIDE:-}" ] && sides+=(--side "${AB_SWITCH_SIDE%%:*}:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-${AB_SWITCH_SIDE%%:*}${fp8_atom:-},${AB_SWITCH_SIDE#*:}")
             if [ -n "${AB_SIDES:-}" ]; then  # only these sides (e.g. a cold fill of one side per call)
                 keep=(); for ((i = 1; i < ${#sides[@]}; i += 2)); do
                     case ",$AB_SIDES," in *",${sides[i]%%:*},"*) keep+=(--side "${sides[i]}") ;; esac; done

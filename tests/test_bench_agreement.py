@@ -49,6 +49,14 @@ def test_config_names_map_to_env_and_unknown_names_fail(agreement):
     assert agreement.config_spec("atom-torch-rms_norm")["env"] == {"ATOM_OPS_BACKEND": "rms_norm=torch"}
     assert agreement.config_spec("atom-fa")["env"] == {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"}
     assert agreement.config_spec("vllm-model-atom-attn")["vllm_model"] is True
+    # any config in float32 (eager), and HF transformers' model as the second oracle
+    fa32 = agreement.config_spec("atom-fa-fp32")
+    assert fa32["dtype"] == "float32" and fa32["eager"] is True
+    assert fa32["env"] == {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"}
+    assert agreement.config_spec("atom-torch-ops-fp32")["env"] == {"ATOM_OPS_BACKEND": "torch"}
+    assert agreement.config_spec("atom-fp32")["eager"] is True and agreement.config_spec("stock")["eager"] is False
+    hf = agreement.config_spec("hf-fp32")
+    assert hf["hf"] is True and hf["dtype"] == "float32" and agreement.config_spec("atom")["hf"] is False
     with pytest.raises(SystemExit, match="unknown config 'atom-bogus'"):
         agreement.config_spec("atom-bogus")
 
