@@ -97,9 +97,17 @@ def render_supported_models() -> str:
         "|---|---|---|---|---|\n",
     ]
     for e in MODEL_TABLE:
-        quant = ", ".join(e.quantization) or "none (refused)"
+        quant = ", ".join(e.quantization) or "none"
         lines.append(f"| `{e.arch}` | `{WRAPPER_MODULE}:{e.wrapper}` | `{e.model}` | {quant} | "
                      f"{_cell(e.verified or 'not yet')} |\n")
+    lines.append("\nA checkpoint in a quantization format the table does not list for its architecture "
+                 "(MXFP4, AWQ, GPTQ, compressed-tensors, ...) is served by vLLM's own model: atom steps "
+                 "aside for it and logs one line saying so.\n")
+    aside = [e for e in MODEL_TABLE if e.nvidia_aside]
+    if aside:
+        lines.append("\nOn NVIDIA GPUs atom also steps aside, by default, for these architectures "
+                     "(`ATOM_ENABLE_ON_NVIDIA` serves them with atom's model anyway):\n\n")
+        lines += [f"- `{e.arch}`: {e.nvidia_aside}.\n" for e in aside]
     lines += ["\n## Under SGLang\n\n",
               "| HF architecture | SGLang class (atom wrapper) | atom model | quantized checkpoints | verified |\n"
               "|---|---|---|---|---|\n"]

@@ -55,15 +55,23 @@ def _parse_bool(name: str, raw: str) -> bool:
     )
 
 
-def _parse_id_list(name: str, raw: str) -> tuple[str, ...]:
-    items = tuple(part.strip() for part in raw.split(",") if part.strip())
-    for item in items:
-        if item != "*" and not all(c.isalnum() or c in "._-" for c in item):
-            raise EnvError(
-                f"{name}={raw!r}: {item!r} is not a valid entry; accepted values: a comma-separated "
-                "list of patch ids (letters, digits, '.', '_', '-') or '*' for all"
-            )
-    return items
+def _id_list(what: str) -> Callable[[str, str], tuple[str, ...]]:
+    """A parser of a comma-separated list of ``what`` (letters, digits, '.', '_', '-'), or '*'."""
+
+    def parse(name: str, raw: str) -> tuple[str, ...]:
+        items = tuple(part.strip() for part in raw.split(",") if part.strip())
+        for item in items:
+            if item != "*" and not all(c.isalnum() or c in "._-" for c in item):
+                raise EnvError(
+                    f"{name}={raw!r}: {item!r} is not a valid entry; accepted values: a comma-separated "
+                    f"list of {what} (letters, digits, '.', '_', '-') or '*' for all"
+                )
+        return items
+
+    return parse
+
+
+_parse_id_list = _id_list("patch ids")
 
 
 def _parse_ops_backend(name: str, raw: str) -> dict[str, str]:
@@ -271,12 +279,13 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_bool, _BOOL,
         ),
         EnvVar(
-            "ATOM_BF16_GEMV", "bool", "0",
-            "Unquantised (bf16 / fp16) linears of atom's models on GPUs: 1 = a step of one token runs "
-            "atom's Triton GEMV instead of cuBLAS (0.73-0.93x cuBLAS's time per layer on the H100 at "
-            "Qwen3 / DeepSeek-V3 shapes, docs/performance.md), compiled at load; batches of two or more "
-            "tokens stay on cuBLAS. Off by default until measured end to end. The output head is not "
-            "included.",
+            "ATOM_BF16_GEMV", "bool", "1",
+            "Unquantised (bf16 / fp16) linears of atom's models on NVIDIA GPUs: a step of one token "
+            "runs atom's Triton GEMV instead of cuBLAS (0.73-0.93x cuBLAS's time per layer at Qwen3 / "
+            "DeepSeek-V3 shapes on the H100; batch-1 output tok/s 1.07x at Qwen3-8B dims, 36 layers, on "
+            "the H200; docs/performance.md), compiled at load; batches of two or more tokens stay on "
+            "cuBLAS. 0 = cuBLAS for every step. On a CPU or ROCm only when set to 1. The output head "
+            "is not included.",
             _parse_bool, _BOOL,
         ),
         EnvVar(
@@ -287,6 +296,13 @@ VARIABLES: dict[str, EnvVar] = {
             "no faster than vLLM's own (docs/performance.md). MoE architectures (Qwen3-MoE, DeepSeek-V3) are "
             "atom's either way; no effect on CPU, ROCm or per-tensor fp8.",
             _parse_bool, _BOOL,
+        ),
+        EnvVar(
+            "ATOM_ENABLE_ON_NVIDIA", "list of architectures", "",
+            "Architectures (HF names, e.g. GptOssForCausalLM; * for all) that atom's models serve on "
+            "NVIDIA GPUs although atom steps aside for them there by default, because atom measured "
+            "slower than vLLM's own model (docs/supported_models.md says which and why).",
+            _id_list("architecture names"), "comma list of architecture names, or *",
         ),
         EnvVar(
             "ATOM_FP8_HOST_GEMM", "choice", "auto",

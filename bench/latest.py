@@ -71,6 +71,16 @@ RECORDS: list[dict[str, Any]] = [
     # DeepSeek-V3 dims, bf16, 1024/1024, atom's decode rows on vLLM's FlashMLA (2026-11-24g)
     {"path": "bench/results/h100_2026-11-24g/ab_mla-1024_c1.json"},
     {"path": "bench/results/h100_2026-11-24g/ab_mla-1024_c64.json"},
+    # issue #17 "Also": one quick throughput cell per architecture first run on a GPU (one launch,
+    # 2 rounds of 10 s; Llama, Mixtral, GLM-4-MoE on the H100, GPT-OSS on the H200)
+    {"path": "bench/results/h100_2026-11-27c/archs/ab_llama.json"},
+    {"path": "bench/results/gpu_2026-11-27d/archs/ab_mixtral.json"},
+    {"path": "bench/results/gpu_2026-11-27d/archs/ab_glm4moe.json"},
+    {"path": "bench/results/gpu_2026-11-27d/archs/ab_gptoss.json"},
+    # ATOM_BF16_GEMV (atom with it vs atom without, the reference), Qwen3-8B dims at full depth,
+    # batch 1, H200: three launches in two commands, pooled
+    {"path": "bench/results/gpu_2026-11-27d/gemv_h200/ab_dense_L36_c1_a.json"},
+    {"path": "bench/results/gpu_2026-11-27d/gemv_h200/ab_dense_L36_c1_b.json"},
 ]
 
 

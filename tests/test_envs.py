@@ -17,10 +17,12 @@ def test_required_variables_are_declared():
 
 @pytest.mark.parametrize("name", BOOLS)
 def test_bool_defaults_and_values(monkeypatch, name):
+    default = envs.VARIABLES[name].default == "1"  # every switch's default is "0" or "1"
+    assert envs.VARIABLES[name].default in ("0", "1")
     monkeypatch.delenv(name, raising=False)
-    assert getattr(envs, name) is False
+    assert getattr(envs, name) is default
     for raw, expected in [("1", True), ("true", True), ("YES", True), ("on", True),
-                          ("0", False), ("false", False), ("No", False), ("off", False), ("", False)]:
+                          ("0", False), ("false", False), ("No", False), ("off", False), ("", default)]:
         monkeypatch.setenv(name, raw)
         assert getattr(envs, name) is expected, raw
 
@@ -117,6 +119,7 @@ MALFORMED = {
     "ATOM_FP8_W8A8_MIN_TOKENS": ["-1", "abc", "1.5", ""],
     "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA": ["2", "maybe", ""],
     "ATOM_BF16_GEMV": ["2", "yes please", ""],
+    "ATOM_ENABLE_ON_NVIDIA": ["Gpt Oss", "a;b", "x/y"],
     "ATOM_DISABLE_FP8_FUSED_ACT_QUANT": ["2", "maybe", ""],
     "ATOM_FP8_HOST_GEMM": ["cublas", "deep_gemm", "auto,cutlass"],
     "ATOM_FP8_HOST_GEMM_MIN_TOKENS": ["-128", "x", "2.0", "", "automatic"],

@@ -47,6 +47,21 @@ from atom.ops.fused_quant import Activation, QuantizedActivation
 VOCAB_PADDING = 64
 
 
+def on_nvidia_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on an NVIDIA GPU (CUDA, not ROCm's HIP)."""
+    return t.is_cuda and torch.version.hip is None
+
+
+def bf16_gemv_on(weight: torch.Tensor) -> bool:
+    """Whether an unquantised linear on ``weight`` runs one-token steps on atom's GEMV
+    (:func:`atom.ops.linear`): bf16 / fp16 weights with ``ATOM_BF16_GEMV`` on (the default) on an
+    NVIDIA GPU, where it was measured faster than cuBLAS (bench/NOTES.md entry 27); on a CPU or
+    ROCm only when the variable is set explicitly."""
+    if weight.dtype not in (torch.bfloat16, torch.float16) or not envs.ATOM_BF16_GEMV:
+        return False
+    return on_nvidia_gpu(weight) or envs.is_set("ATOM_BF16_GEMV")
+
+
 def divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({parts})")
@@ -110,9 +125,9 @@ class Fp8Linear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Repack an fp8 layer for its compute path; an unquantised bf16 / fp16 one takes the
-        one-token GEMV with ``ATOM_BF16_GEMV`` (warmed up now), and is otherwise left as it is."""
+        one-token GEMV where :func:`bf16_gemv_on` (warmed up now), and is otherwise left as it is."""
         q = self.quant
-        if q is None and self.weight.dtype in (torch.bfloat16, torch.float16) and envs.ATOM_BF16_GEMV:
+        if q is None and bf16_gemv_on(self.weight):
             self.bf16_gemv = True  # one-token steps on atom's GEMV (ATOM_BF16_GEMV), compiled now
             ops.warm_up_linear(self.weight, has_bias=getattr(self, "bias", None) is not None)
         if q is None or self.weight.dtype != FP8_DTYPE or self.fp8_gemm or self.fp8_block is not None:

@@ -13,7 +13,9 @@ Checkpoint layout (HF's dequantized bf16 one): the experts of a layer are stacke
 last dim (gate = ``[..., ::2]``), ``gate_up_proj_bias [E, 2 * inter]`` likewise,
 ``down_proj [E, inter, hidden]`` and ``down_proj_bias [E, hidden]``; they are transposed and
 de-interleaved at load into atom's ``w13 = [gate; up]`` layout. MXFP4 checkpoints (the released
-``openai/gpt-oss-*`` weights) are refused: atom has no MXFP4 MoE kernel.
+``openai/gpt-oss-*`` weights) are refused here (atom has no MXFP4 MoE kernel); under vLLM atom
+steps aside for them before this model is built, and vLLM's own model serves them
+(:mod:`atom.plugin.vllm.overrides`).
 
 Parallelism: attention heads and sinks split across TP ranks; experts split per expert across
 the TP group (intermediate dim) or, with ``enable_expert_parallel``, whole experts across the EP

@@ -3,9 +3,9 @@
 The reference is ``F.linear`` (cuBLAS on a GPU). The Triton backend runs only a single row of
 activations (batch-1 decode): the GEMV of :mod:`atom.ops.fp8_gemm_triton` without tile scales,
 which on the H100 took 0.73-0.93x cuBLAS's time at one token on Qwen3 / DeepSeek-V3 weight
-shapes (bench/NOTES.md entry 25). Every other call takes the reference. atom's linears call this
-op only with ``ATOM_BF16_GEMV=1`` (:mod:`atom.models._linear`); otherwise they call
-``F.linear`` directly.
+shapes (bench/NOTES.md entry 25). Every other call takes the reference. atom's unquantised
+linears call this op on NVIDIA GPUs unless ``ATOM_BF16_GEMV=0`` (:func:`atom.models._linear.bf16_gemv_on`);
+otherwise they call ``F.linear`` directly.
 """
 
 from __future__ import annotations

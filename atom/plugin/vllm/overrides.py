@@ -14,7 +14,14 @@ architectures on NVIDIA GPUs: measured on the H100 (docs/performance.md, "block-
 fp8"), atom's dense fp8 model loses to vLLM's own path (DeepGEMM) at 64 and 256 concurrent
 sequences, so vLLM's model serves them unless ``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1``. MoE
 architectures (their time is in the experts, where atom's fp8 model measured a tie), per-tensor
-fp8, CPU and ROCm are unaffected.
+fp8, CPU and ROCm are unaffected. Likewise for an architecture whose table entry says atom
+measured slower than vLLM's model on NVIDIA GPUs (``ModelEntry.nvidia_aside``: GPT-OSS), unless
+``ATOM_ENABLE_ON_NVIDIA`` names it.
+
+And atom steps aside for a checkpoint in a quantization format its model does not load (MXFP4
+GPT-OSS, AWQ, GPTQ, compressed-tensors, ...: ``ModelEntry.quantization``), which vLLM's own model
+serves; the wrapper's refusal stays as the backstop where vLLM resolves a class without the
+registry.
 """
 
 from __future__ import annotations
@@ -53,19 +60,42 @@ def serves(architectures: Any, model_config: Any) -> Decision:
         return Decision(False, f"runner {runner}: atom's models serve text generation only")
     if convert not in (None, "none"):
         return Decision(False, f"--convert {convert}: atom's models serve text generation only")
-    if (BY_ARCH[archs[0]].wrapper == DENSE_WRAPPER and block_fp8(model_config) and on_nvidia()
+    entry = BY_ARCH[archs[0]]
+    quant = quant_method(model_config)
+    if quant is not None and quant not in entry.quantization:
+        loads = " or ".join(["unquantized", *entry.quantization])
+        return Decision(False, f"a {quant!r} checkpoint, and atom's {archs[0]} loads {loads} checkpoints only")
+    if (entry.wrapper == DENSE_WRAPPER and block_fp8(model_config) and on_nvidia()
             and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):
         return Decision(False, "a dense block-fp8 checkpoint on an NVIDIA GPU, where atom's fp8 path measured "
                                "no faster than vLLM's own (docs/performance.md); "
                                "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1 serves it with atom's model")
+    if entry.nvidia_aside and on_nvidia() and not {archs[0], "*"} & set(envs.ATOM_ENABLE_ON_NVIDIA):
+        return Decision(False, f"on an NVIDIA GPU: {entry.nvidia_aside}; ATOM_ENABLE_ON_NVIDIA={archs[0]} "
+                               "serves it with atom's model")
     return Decision(True, "text generation of an architecture atom implements")
+
+
+def quant_method(model_config: Any) -> "str | None":
+    """The checkpoint's quantization method as vLLM names it (``--quantization`` or the HF
+    config's ``quant_method``: fp8, mxfp4, awq, ...), or None for an unquantized one."""
+    method = getattr(model_config, "quantization", None)
+    if method:
+        return str(method)
+    quant = _hf_quant(model_config)
+    return str(quant["quant_method"]) if quant and quant.get("quant_method") else None
+
+
+def _hf_quant(model_config: Any) -> "dict | None":
+    quant = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(vars(quant))
+    return quant
 
 
 def block_fp8(model_config: Any) -> bool:
     """Whether the checkpoint is HF ``fp8`` with ``weight_block_size`` (Qwen3-FP8, DeepSeek-V3)."""
-    quant = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)
-    if quant is not None and not isinstance(quant, dict):
-        quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(vars(quant))
+    quant = _hf_quant(model_config)
     return bool(quant) and quant.get("quant_method") == "fp8" and quant.get("weight_block_size") is not None
 
 
