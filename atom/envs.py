@@ -55,23 +55,27 @@ def _parse_bool(name: str, raw: str) -> bool:
     )
 
 
-def _id_list(what: str) -> Callable[[str, str], tuple[str, ...]]:
-    """A parser of a comma-separated list of ``what`` (letters, digits, '.', '_', '-'), or '*'."""
-
-    def parse(name: str, raw: str) -> tuple[str, ...]:
-        items = tuple(part.strip() for part in raw.split(",") if part.strip())
-        for item in items:
-            if item != "*" and not all(c.isalnum() or c in "._-" for c in item):
-                raise EnvError(
-                    f"{name}={raw!r}: {item!r} is not a valid entry; accepted values: a comma-separated "
-                    f"list of {what} (letters, digits, '.', '_', '-') or '*' for all"
-                )
-        return items
-
-    return parse
+def _parse_id_list(name: str, raw: str) -> tuple[str, ...]:
+    items = tuple(part.strip() for part in raw.split(",") if part.strip())
+    for item in items:
+        if item != "*" and not all(c.isalnum() or c in "._-" for c in item):
+            raise EnvError(
+                f"{name}={raw!r}: {item!r} is not a valid entry; accepted values: a comma-separated "
+                "list of patch ids (letters, digits, '.', '_', '-') or '*' for all"
+            )
+    return items
 
 
-_parse_id_list = _id_list("patch ids")
+def _parse_arch_list(name: str, raw: str) -> tuple[str, ...]:
+    """Architectures of atom's table (``atom.plugin.models``: strings only, no host import), or '*'."""
+    from atom.plugin.models import BY_ARCH
+
+    items = tuple(part.strip() for part in raw.split(",") if part.strip())
+    unknown = [item for item in items if item != "*" and item not in BY_ARCH]
+    if unknown:
+        raise EnvError(f"{name}={raw!r}: {', '.join(map(repr, unknown))} not atom's; accepted values: a "
+                       f"comma-separated list of {', '.join(sorted(BY_ARCH))}, or '*' for all")
+    return items
 
 
 def _parse_ops_backend(name: str, raw: str) -> dict[str, str]:
@@ -302,7 +306,7 @@ VARIABLES: dict[str, EnvVar] = {
             "Architectures (HF names, e.g. GptOssForCausalLM; * for all) that atom's models serve on "
             "NVIDIA GPUs although atom steps aside for them there by default, because atom measured "
             "slower than vLLM's own model (docs/supported_models.md says which and why).",
-            _id_list("architecture names"), "comma list of architecture names, or *",
+            _parse_arch_list, "comma list of atom's architecture names, or *",
         ),
         EnvVar(
             "ATOM_FP8_HOST_GEMM", "choice", "auto",
