@@ -61,7 +61,7 @@
 #            start only those sides (AB_SWITCH_SIDE's name included), e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
 #            MoE; the sides start one after another). AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side, atom's
-#            new wheel with those variables (e.g. gemv:ATOM_BF16_GEMV=1). -> $OUT/ab_<model>[_c<C>].json, .txt
+#            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0). -> $OUT/ab_<model>[_c<C>].json, .txt
 #   archs    issue #17: the architectures atom serves that had not run on a GPU, each of ARCHS (default
 #            llama,mixtral; also glm4moe, gptoss: bench/e2e_models.py, random bf16 weights at Llama-3.1-8B,
 #            Mixtral-8x7B, GLM-4.5-Air, GPT-OSS-20B dims, 4 / 2 / 3 / 4 layers; AB_MODEL takes these names too)
@@ -200,7 +200,7 @@ for step in "$@"; do
                    --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom${fp8_atom:-}")
             [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")
             # AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side, the new atom with those variables (its own
-            # compile cache), e.g. gemv:ATOM_BF16_GEMV=1 -- an A/B of one switch next to stock and atom
+            # compile cache), e.g. cublas:ATOM_BF16_GEMV=0 -- an A/B of one switch next to stock and atom
             [ -n "${AB_SWITCH_SIDE:-}" ] && sides+=(--side "${AB_SWITCH_SIDE%%:*}:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-${AB_SWITCH_SIDE%%:*}${fp8_atom:-},${AB_SWITCH_SIDE#*:}")
             if [ -n "${AB_SIDES:-}" ]; then  # only these sides (e.g. a cold fill of one side per call)
                 keep=(); for ((i = 1; i < ${#sides[@]}; i += 2)); do
