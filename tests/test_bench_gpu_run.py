@@ -43,7 +43,7 @@ def test_header_documents_every_step():
     assert documented == cases
 
 
-def _run_archs(tmp_path: Path, **env: str) -> tuple[list[dict], str]:
+def _run_archs(tmp_path: Path, step: str = "archs", **env: str) -> tuple[list[dict], str]:
     stubs = tmp_path / "stubs"
     stubs.mkdir(exist_ok=True)
     for name, body in {"python3": PYTHON_STUB, "nvidia-smi": "#!/bin/sh\necho 0\n",
@@ -52,11 +52,10 @@ def _run_archs(tmp_path: Path, **env: str) -> tuple[list[dict], str]:
         (stubs / name).chmod(0o755)
     log = tmp_path / "calls.jsonl"
     log.unlink(missing_ok=True)
-    full = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(log),
-            "OUT": str(tmp_path / "out"), **env}
-    for key in [k for k in full if k.startswith("AB_")]:
-        full.pop(key)  # the caller's own ab settings must not reach the step
-    proc = subprocess.run(["bash", str(SCRIPT), "archs"], cwd=REPO, env=full, capture_output=True, text=True,
+    # the caller's own ab settings must not reach the step
+    full = {k: v for k, v in os.environ.items() if not k.startswith("AB_")}
+    full.update(PATH=f"{stubs}:{os.environ['PATH']}", STUB_LOG=str(log), OUT=str(tmp_path / "out"), **env)
+    proc = subprocess.run(["bash", str(SCRIPT), step], cwd=REPO, env=full, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -123,3 +122,17 @@ def test_archs_step_parts_and_budget(tmp_path):
     assert [_opt(c["argv"], "--model") for c in _script_calls(calls, "bench/agreement.py")] == \
         ["/tmp/atom-e2e-models/llama-L4-v32000"]
 
+
+
+def test_ab_switch_side_is_the_new_wheel_with_its_variables(tmp_path):
+    """AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side next to stock and atom, atom's new wheel
+    with those variables and its own compile cache; AB_SIDES picks among all three by name."""
+    calls, _ = _run_archs(tmp_path, "ab", AB_SWITCH_SIDE="cublas:ATOM_BF16_GEMV=0,X=1")
+    argv = _script_calls(calls, "bench/ab.py")[0]["argv"]
+    sides = {v.split(":")[0]: v.split(":", 1)[1] for i, v in enumerate(argv) if argv[i - 1] == "--side"}
+    assert list(sides)[:2] == ["stock", "atom"] and "cublas" in sides
+    assert sides["cublas"] == "PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-cublas,ATOM_BF16_GEMV=0,X=1"
+    assert sides["atom"] == "PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom"
+    calls, _ = _run_archs(tmp_path, "ab", AB_SWITCH_SIDE="cublas:ATOM_BF16_GEMV=0", AB_SIDES="atom,cublas")
+    argv = _script_calls(calls, "bench/ab.py")[0]["argv"]
+    assert [argv[i + 1].split(":")[0] for i, v in enumerate(argv) if v == "--side"] == ["atom", "cublas"]
