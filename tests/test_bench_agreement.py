@@ -94,3 +94,24 @@ def test_cache_root_is_per_side_and_off_by_default(agreement, tmp_path, monkeypa
     # ATOM_* variable the ab side lacks enters atom's compile-cache key
     agreement.run_config("atom", {}, {"ATOM_DISABLE_VLLM_PLUGIN": "1"}, tmp_path, 10)
     assert switch == {"stock": "1", "atom": None, "atom-eager": None}
+
+
+def test_hf_oracle_rows_and_teacher_forcing_agree_with_each_other(agreement, tmp_path):
+    """The ``hf`` config on a tiny fp32 checkpoint (CPU): every row has the requested length, its
+    logprobs are the chosen tokens' (<= 0), and teacher forcing its own greedy rows gives back
+    the same top-1 tokens and logprobs (prefill and decode of one fp32 model)."""
+    from atom.testing.tiny_models import build
+
+    model = build("qwen3", tmp_path / "m", dtype="float32")
+    prompts = [[5, 9, 13, 2, 7, 11], [3, 4, 8, 21, 17, 6]]
+    spec = {"model": str(model), "prompts": prompts, "out_len": 5}
+    out = tmp_path / "hf.json"
+    agreement.hf_child(spec, agreement.config_spec("hf-fp32"), str(out))
+    res = json.loads(out.read_text())
+    assert res["model_class"].endswith("Qwen3ForCausalLM")
+    assert [len(r["tokens"]) for r in res["rows"]] == [5, 5]
+    assert all(lp <= 0 for r in res["rows"] for lp in r["logprobs"])
+    for row, tf in zip(res["rows"], res["tf"]):
+        assert tf["top1"] == row["tokens"]
+        assert tf["lp"] == pytest.approx(row["logprobs"], abs=1e-4)
+    assert agreement.compare(res, res)["tf_top1"] == 1.0
