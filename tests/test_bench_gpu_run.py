@@ -43,7 +43,7 @@ def test_header_documents_every_step():
     assert documented == cases
 
 
-def _run_archs(tmp_path: Path, step: str = "archs", **env: str) -> tuple[list[dict], str]:
+def _run_step(tmp_path: Path, step: str = "archs", **env: str) -> tuple[list[dict], str]:
     stubs = tmp_path / "stubs"
     stubs.mkdir(exist_ok=True)
     for name, body in {"python3": PYTHON_STUB, "nvidia-smi": "#!/bin/sh\necho 0\n",
@@ -71,7 +71,7 @@ def _opt(argv: list[str], name: str) -> str:
 
 
 def test_archs_step_runs_agreement_then_the_ab_cell_per_architecture(tmp_path):
-    calls, out = _run_archs(tmp_path, ARCHS="llama,gptoss", ARCHS_BUDGET="400")
+    calls, out = _run_step(tmp_path, ARCHS="llama,gptoss", ARCHS_BUDGET="400")
     builds = [c["argv"][1] for c in calls if c["argv"][:1] == ["-c"] and "build_model(" in c["argv"][1]]
     assert any("build_model('llama', 4, Path('/tmp/atom-e2e-models/llama-L4-v32000'), 32000" in b for b in builds)
     assert any("build_model('gptoss', 4, Path('/tmp/atom-e2e-models/gptoss-L4-v32000'), 32000" in b for b in builds)
@@ -109,15 +109,15 @@ def test_archs_step_runs_agreement_then_the_ab_cell_per_architecture(tmp_path):
 
 
 def test_archs_step_parts_and_budget(tmp_path):
-    calls, _ = _run_archs(tmp_path, ARCHS="mixtral", ARCHS_PARTS="ab")
+    calls, _ = _run_step(tmp_path, ARCHS="mixtral", ARCHS_PARTS="ab")
     assert not _script_calls(calls, "bench/agreement.py") and len(_script_calls(calls, "bench/ab.py")) == 1
-    calls, _ = _run_archs(tmp_path, ARCHS="glm4moe", ARCHS_PARTS="agree")
+    calls, _ = _run_step(tmp_path, ARCHS="glm4moe", ARCHS_PARTS="agree")
     assert len(_script_calls(calls, "bench/agreement.py")) == 1 and not _script_calls(calls, "bench/ab.py")
     # too little of the budget left for the cell: not started, and the output says how to run it
-    calls, out = _run_archs(tmp_path, ARCHS="llama", ARCHS_BUDGET="120")
+    calls, out = _run_step(tmp_path, ARCHS="llama", ARCHS_BUDGET="120")
     assert len(_script_calls(calls, "bench/agreement.py")) == 1 and not _script_calls(calls, "bench/ab.py")
     assert "llama: ab cell not started" in out and "ARCHS=llama ARCHS_PARTS=ab" in out
-    calls, out = _run_archs(tmp_path, ARCHS="bogus,llama", ARCHS_PARTS="agree")
+    calls, out = _run_step(tmp_path, ARCHS="bogus,llama", ARCHS_PARTS="agree")
     assert "bogus: not a bench/e2e_models.py model" in out
     assert [_opt(c["argv"], "--model") for c in _script_calls(calls, "bench/agreement.py")] == \
         ["/tmp/atom-e2e-models/llama-L4-v32000"]
@@ -127,12 +127,12 @@ def test_archs_step_parts_and_budget(tmp_path):
 def test_ab_switch_side_is_the_new_wheel_with_its_variables(tmp_path):
     """AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side next to stock and atom, atom's new wheel
     with those variables and its own compile cache; AB_SIDES picks among all three by name."""
-    calls, _ = _run_archs(tmp_path, "ab", AB_SWITCH_SIDE="cublas:ATOM_BF16_GEMV=0,X=1")
+    calls, _ = _run_step(tmp_path, "ab", AB_SWITCH_SIDE="cublas:ATOM_BF16_GEMV=0,X=1")
     argv = _script_calls(calls, "bench/ab.py")[0]["argv"]
     sides = {v.split(":")[0]: v.split(":", 1)[1] for i, v in enumerate(argv) if argv[i - 1] == "--side"}
     assert list(sides)[:2] == ["stock", "atom"] and "cublas" in sides
     assert sides["cublas"] == "PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-cublas,ATOM_BF16_GEMV=0,X=1"
     assert sides["atom"] == "PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom"
-    calls, _ = _run_archs(tmp_path, "ab", AB_SWITCH_SIDE="cublas:ATOM_BF16_GEMV=0", AB_SIDES="atom,cublas")
+    calls, _ = _run_step(tmp_path, "ab", AB_SWITCH_SIDE="cublas:ATOM_BF16_GEMV=0", AB_SIDES="atom,cublas")
     argv = _script_calls(calls, "bench/ab.py")[0]["argv"]
     assert [argv[i + 1].split(":")[0] for i, v in enumerate(argv) if v == "--side"] == ["atom", "cublas"]

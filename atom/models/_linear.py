@@ -49,7 +49,7 @@ VOCAB_PADDING = 64
 
 def on_nvidia_gpu(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on an NVIDIA GPU (CUDA, not ROCm's HIP)."""
-    return t.is_cuda and torch.version.hip is None
+    return t.is_cuda and getattr(torch.version, "hip", None) is None
 
 
 def bf16_gemv_on(weight: torch.Tensor) -> bool:
