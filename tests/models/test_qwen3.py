@@ -23,6 +23,7 @@ from tests.models._harness import (
     mixed_prompts,
     run_ranks,
     run_tp2_engine,
+    run_two_worker_engine,
     widen_init,
 )
 
@@ -99,6 +100,22 @@ def test_multiprocess_tp2_tokens_equal_stock_vllm(checkpoint, prompts, stock_run
     the MLP, per-head QK-norm on its own heads) give stock single-rank vLLM's fp32 tokens."""
     ours = run_tp2_engine(checkpoint, prompts, tmp_path, {},
                           "atom.models.qwen3:Qwen3ForCausalLM", "ATOMForCausalLM", "Qwen3ForCausalLM")
+    assert_same_greedy_run(ours, stock_runs["float32"], FP32_LOGPROB_ATOL)
+
+
+def test_pipeline_parallel_is_served_by_vllms_model(checkpoint, prompts, stock_runs, tmp_path):
+    """atom's models do not run pipeline parallelism, stock vLLM's Qwen3 does: with atom active,
+    two real vLLM worker processes with PP=2 pass vLLM's config check (which asks the registry
+    whether the model runs PP), each rank builds vLLM's own Qwen3 in place of atom's, with one
+    line saying so, and the tokens are stock single-rank vLLM's. (Not eager: vLLM's CPU runner
+    allocates the tensors a later PP rank receives in its warm-up, which eager mode skips; stock
+    vLLM needs the same.)"""
+    ours, log = run_two_worker_engine(checkpoint, prompts, tmp_path,
+                                      {"pipeline_parallel_size": 2, "enforce_eager": False})
+    aside = ("atom steps aside for Qwen3ForCausalLM (pipeline_parallel_size=2: atom's models do not run pipeline "
+             "parallelism): vLLM's own model serves it")
+    assert log.count(aside) == 2, log[-4000:]  # once per worker process
+    assert "built atom.models" not in log
     assert_same_greedy_run(ours, stock_runs["float32"], FP32_LOGPROB_ATOL)
 
 

@@ -143,3 +143,43 @@ def test_architecture_measured_slower_on_nvidia_steps_aside_unless_enabled(monke
     monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA")
     monkeypatch.setattr(overrides, "on_nvidia", lambda: False)
     assert overrides.serves(["GptOssForCausalLM"], cfg).value
+
+
+def test_parallel_layouts_atom_does_not_run_build_vllms_model(tiny_model):
+    """vLLM resolves the model class before it knows the parallel layout, so atom decides when the
+    class is constructed (``overrides.builds``, asked by ``ATOMModelBase.__new__``): on real vLLM
+    configs of a tiny Qwen3-MoE, pipeline parallelism and expert parallelism across data-parallel
+    ranks go to vLLM's own class (the one saved in the registry); one rank, TP + EP and DP without
+    EP stay atom's. vLLM's config check for PP asks the registry, which answers for vLLM's own
+    class there. (A real PP=2 engine: tests/models/test_qwen3.py; vLLM's CPU build runs no EP
+    across DP ranks, stock included.)"""
+    checkpoint = tiny_model("qwen3_moe", "float32")
+    proc = run_python(f"""
+        import json
+        from vllm.engine.arg_utils import EngineArgs
+        from atom.plugin.vllm import overrides
+
+        out = {{}}
+        for name, kw in {{"one": {{}}, "dp2_ep": {{"data_parallel_size": 2, "enable_expert_parallel": True}},
+                          "tp2_ep": {{"tensor_parallel_size": 2, "enable_expert_parallel": True}},
+                          "dp2": {{"data_parallel_size": 2}}, "pp2": {{"pipeline_parallel_size": 2}}}}.items():
+            config = EngineArgs(model={str(checkpoint)!r}, max_model_len=256, **kw).create_engine_config()
+            out[name] = list(overrides.builds(config)[:2])
+        model_config = config.model_config  # pp2's: vLLM's config check passed
+        registry = model_config.registry
+        out["inspected"] = registry.inspect_model_cls(["Qwen3MoeForCausalLM"], model_config)[0].supports_pp
+        out["pp_supported"] = registry.is_pp_supported_model(["Qwen3MoeForCausalLM"], model_config)
+        stock = overrides.stock_class("Qwen3MoeForCausalLM")
+        out["stock"] = stock.__module__ + ":" + stock.__qualname__
+        print("RESULT", json.dumps(out))
+    """, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert out["one"][0] and out["tp2_ep"][0] and out["dp2"][0]
+    assert out["dp2_ep"] == [False, "expert parallelism with data_parallel_size=2, prefill_context_parallel_size=1: "
+                                    "atom's experts all-reduce over the tensor-parallel group, which holds every "
+                                    "expert-parallel rank only when both are 1"]
+    assert out["pp2"] == [False, "pipeline_parallel_size=2: atom's models do not run pipeline parallelism"]
+    assert out["inspected"] is False  # atom's class, as vLLM resolves it
+    assert out["pp_supported"] is True  # vLLM's own class, which builds under PP
+    assert out["stock"] == "vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM"

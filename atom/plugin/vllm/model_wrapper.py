@@ -42,7 +42,7 @@ from atom import envs
 from atom._logging import get_logger, info_once
 from atom.models.interfaces import CausalLM, ModelParallel, missing_causal_lm_members
 from atom.plugin.models import BY_ARCH
-from atom.plugin.vllm import compat
+from atom.plugin.vllm import compat, overrides
 from atom.plugin.vllm.compile import compiled_model_class
 from atom.plugin.vllm.config import atom_config_from_vllm
 
@@ -275,7 +275,30 @@ def model_parallel(groups: Any) -> ModelParallel:
 
 @compiled_model_class  # vLLM torch.compiles forward as for its own models (atom.plugin.vllm.compile)
 class ATOMModelBase(nn.Module):
-    """A vLLM model that runs an atom model (chosen by HF architecture from the arch table)."""
+    """A vLLM model that runs an atom model (chosen by HF architecture from the arch table).
+
+    Constructing it where atom's model does not run the engine's layout or checkpoint
+    (:func:`atom.plugin.vllm.overrides.builds`: pipeline parallelism, expert parallelism across
+    data-parallel ranks, a quantization format atom does not load) builds vLLM's own class for
+    the architecture instead, with one INFO line: vLLM resolves the class before it knows the
+    parallel layout, and stock vLLM serves these. Where this process holds no vLLM entry to fall
+    back on (atom's overrides not registered here), ``__init__`` refuses with the reason."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = kwargs.get("vllm_config")
+        if vllm_config is not None:
+            decision = overrides.builds(vllm_config)
+            arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or ["?"])[0]
+            stock = None if decision.value else overrides.stock_class(arch)
+            if stock is not None:
+                overrides.step_aside_once(arch, decision.reason)
+                if getattr(vllm_config, "quant_config", None) is not None:
+                    # vLLM passed atom's class, which has no module mappings, to its quant config
+                    from vllm.model_executor.model_loader.utils import configure_quant_config
+
+                    configure_quant_config(vllm_config.quant_config, stock)
+                return stock(*args, **kwargs)  # not an instance of cls: Python skips cls.__init__
+        return super().__new__(cls)
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -284,24 +307,11 @@ class ATOMModelBase(nn.Module):
         entry = BY_ARCH.get(arch)
         if entry is None:
             raise ValueError(f"atom has no model for architecture {arch!r} (atom.plugin.models.MODEL_TABLE)")
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise NotImplementedError("atom models do not support pipeline parallelism yet; "
-                                      "set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model")
-        quantization = vllm_config.model_config.quantization
-        if vllm_config.quant_config is not None and quantization not in entry.quantization:
-            supported = ", ".join(["unquantized", *(f"{q} with per-tensor or block scales" for q in entry.quantization)])
-            raise NotImplementedError(
-                f"atom's {arch} does not run {quantization!r} checkpoints (supported: {supported}); "
-                "set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model"
-            )
-
-        par = vllm_config.parallel_config
-        if par.enable_expert_parallel and (par.data_parallel_size > 1
-                                           or getattr(par, "prefill_context_parallel_size", 1) > 1):
-            # atom's MoE layers all-reduce over the EP group, which assumes every EP rank holds
-            # the same tokens: true only when the EP group is the TP group.
-            raise NotImplementedError("atom's expert parallelism needs data_parallel_size == 1; "
-                                      "set ATOM_DISABLE_VLLM_PLUGIN=1 to use vLLM's model")
+        decision = overrides.builds(vllm_config)
+        if not decision.value:
+            raise NotImplementedError(f"atom's {arch} does not serve this engine ({decision.reason}) and vLLM's own "
+                                      "class is not registered in this process; set ATOM_DISABLE_VLLM_PLUGIN=1 to "
+                                      "use vLLM's model")
 
         groups = vllm_groups()
         self.atom_config = atom_config_from_vllm(vllm_config)

@@ -22,6 +22,12 @@ And atom steps aside for a checkpoint in a quantization format its model does no
 GPT-OSS, AWQ, GPTQ, compressed-tensors, ...: ``ModelEntry.quantization``), which vLLM's own model
 serves; the wrapper's refusal stays as the backstop where vLLM resolves a class without the
 registry.
+
+Some of what atom's models do not run is known only when vLLM builds the class: the parallel
+layout (pipeline parallelism, expert parallelism across data-parallel ranks). There the wrapper
+asks :func:`builds` and constructs vLLM's own class (:func:`stock_class`) instead; vLLM's check
+whether the model runs pipeline parallelism (``is_pp_supported_model``, asked only for PP > 1)
+is answered by vLLM's own entries.
 """
 
 from __future__ import annotations
@@ -61,10 +67,9 @@ def serves(architectures: Any, model_config: Any) -> Decision:
     if convert not in (None, "none"):
         return Decision(False, f"--convert {convert}: atom's models serve text generation only")
     entry = BY_ARCH[archs[0]]
-    quant = quant_method(model_config)
-    if quant is not None and quant not in entry.quantization:
-        loads = " or ".join(["unquantized", *entry.quantization])
-        return Decision(False, f"a {quant!r} checkpoint, and atom's {archs[0]} loads {loads} checkpoints only")
+    unloadable = unloadable_quantization(archs[0], quant_method(model_config))
+    if unloadable:
+        return Decision(False, unloadable)
     if (entry.wrapper == DENSE_WRAPPER and block_fp8(model_config) and on_nvidia()
             and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):
         return Decision(False, "a dense block-fp8 checkpoint on an NVIDIA GPU, where atom's fp8 path measured "
@@ -74,6 +79,55 @@ def serves(architectures: Any, model_config: Any) -> Decision:
         return Decision(False, f"on an NVIDIA GPU: {entry.nvidia_aside}; ATOM_ENABLE_ON_NVIDIA={archs[0]} "
                                "serves it with atom's model")
     return Decision(True, "text generation of an architecture atom implements")
+
+
+def unloadable_quantization(arch: str, quant: "str | None") -> str:
+    """Why atom's model of ``arch`` does not load a ``quant`` checkpoint ("" when it does: an
+    unquantized one, or a method in its table entry's ``quantization``). The one rule behind the
+    step-aside at resolution (:func:`serves`), at build (:func:`builds`) and the wrapper's refusal."""
+    entry = BY_ARCH.get(arch)
+    if quant is None or entry is None or quant in entry.quantization:
+        return ""
+    loads = " or ".join(["unquantized", *entry.quantization])
+    return f"a {quant!r} checkpoint, and atom's {arch} loads {loads} checkpoints only"
+
+
+def builds(vllm_config: Any) -> Decision:
+    """Decision(True/False, reason): does atom's class, which vLLM's registry chose (:func:`serves`),
+    build the model for this engine's parallel layout and quantization? Asked when vLLM constructs
+    the class (``ATOMModelBase.__new__``), the first point that sees the whole ``VllmConfig``: vLLM
+    resolves the class from the model's config alone (once in the engine process, again in each
+    worker), so a layout atom's models do not run is only known here. Where the answer is False,
+    vLLM's own class for the architecture (:func:`stock_class`) is built instead.
+
+    atom's models do not run pipeline parallelism, nor expert parallelism across data-parallel
+    ranks (their experts all-reduce over the TP group, which holds every EP rank only when
+    ``data_parallel_size`` and the prefill context-parallel size are 1)."""
+    model_config = vllm_config.model_config
+    par = vllm_config.parallel_config
+    pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        return Decision(False, f"pipeline_parallel_size={pp}: atom's models do not run pipeline parallelism")
+    if getattr(par, "enable_expert_parallel", False):
+        dp = int(getattr(par, "data_parallel_size", 1) or 1)
+        pcp = int(getattr(par, "prefill_context_parallel_size", 1) or 1)
+        if dp > 1 or pcp > 1:
+            return Decision(False, f"expert parallelism with data_parallel_size={dp}, prefill_context_parallel_size="
+                                   f"{pcp}: atom's experts all-reduce over the tensor-parallel group, which holds "
+                                   "every expert-parallel rank only when both are 1")
+    arch = (getattr(model_config.hf_config, "architectures", None) or ["?"])[0]
+    if getattr(vllm_config, "quant_config", None) is not None:
+        unloadable = unloadable_quantization(arch, getattr(model_config, "quantization", None) or "?")
+        if unloadable:
+            return Decision(False, unloadable)
+    return Decision(True, "a layout and checkpoint atom's model runs")
+
+
+def stock_class(arch: str) -> Any:
+    """vLLM's own model class for ``arch`` (the registry entry :func:`override` saved in this
+    process), or None where atom did not override it here."""
+    entry = STOCK.get(arch)
+    return None if entry is None else entry.load_model_cls()
 
 
 def quant_method(model_config: Any) -> "str | None":
@@ -115,8 +169,13 @@ def _with_stock_entries(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
         return wrapped(*args, **kwargs)
     if getattr(model_config, "runner_type", None) is not None:
         archs = [architectures] if isinstance(architectures, str) else list(architectures)
-        info_once(f"step-aside:{archs}:{decision.reason}",
-                  f"atom steps aside for {', '.join(archs)} ({decision.reason}): vLLM's own model serves it", logger)
+        step_aside_once(", ".join(archs), decision.reason)
+    return _on_stock_entries(wrapped, instance, args, kwargs)
+
+
+def _on_stock_entries(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``wrapped`` called with vLLM's own entries in the registry for every architecture atom
+    overrides (atom's put back after)."""
     models = instance.models
     ours = {arch: models[arch] for arch in STOCK if arch in models}
     models.update(STOCK)
@@ -126,4 +185,18 @@ def _with_stock_entries(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
         models.update(ours)
 
 
+def step_aside_once(arch: str, reason: str) -> None:
+    """The one INFO line of a step-aside (once per architecture and reason in a process)."""
+    info_once(f"step-aside:{arch}:{reason}",
+              f"atom steps aside for {arch} ({reason}): vLLM's own model serves it", logger)
+
+
+def _pp_on_stock_entries(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """The wrapper of ``is_pp_supported_model``, which vLLM asks only for
+    ``pipeline_parallel_size > 1``: there atom's class builds vLLM's own (:func:`builds`), so
+    vLLM's own entries answer whether the model runs pipeline parallelism."""
+    return _on_stock_entries(wrapped, instance, args, kwargs)
+
+
 resolve_model_cls = inspect_model_cls = _with_stock_entries
+is_pp_supported_model = _pp_on_stock_entries

@@ -190,6 +190,17 @@ for _method in ("resolve_model_cls", "inspect_model_cls"):
                  "for every runner)",
         removal="when vLLM's registry lets an entry serve some runners only",
     ))
+register(Patch(
+    id="vllm.models.is_pp_supported_model", group="vllm.models",
+    target=f"{_REGISTRY}.is_pp_supported_model",
+    wrapper="atom.plugin.vllm.overrides:is_pp_supported_model",
+    vllm=SUPPORTED_VLLM,
+    signature="(self, architectures, model_config)",
+    reason="vLLM asks it only for pipeline_parallel_size > 1, where atom's class builds vLLM's own model "
+           "(atom's models do not run pipeline parallelism): vLLM's own registry entries answer",
+    upstream="vllm ModelConfig.verify_with_parallel_config -> _ModelRegistry.is_pp_supported_model",
+    removal="when atom's models run pipeline parallelism",
+))
 
 # -- the FusedMoE / fp8-linear decorator (atom.plugin.vllm.moe) -------------------------------------
 _POST_LOAD_UPSTREAM = ("vllm model_loader.utils.process_weights_after_loading -> "
