@@ -1,6 +1,6 @@
 """Run real SGLang CPU engines (one per tiny model) and print their greedy tokens as JSON.
 
-    python -m tests.sglang._engine_runner BACKEND MODEL_DIR [MODEL_DIR ...]
+    python -m tests.sglang._engine_runner [--tp N] BACKEND MODEL_DIR [MODEL_DIR ...]
 
 One line ``RESULT {"model": dir, "batches": [[tokens per prompt], ...]}`` per model; the caller
 sets the environment (``ATOM_DISABLE_SGLANG_PLUGIN`` ...) and ``PYTHONPATH`` (the test-only
@@ -27,14 +27,14 @@ MAX_NEW_TOKENS = 24
 PAGE_SIZE = 16
 
 
-def run(backend: str, model_dirs: list[str]) -> None:
+def run(backend: str, model_dirs: list[str], tp_size: int = 1) -> None:
     import sglang
 
     for model_dir in model_dirs:
         engine = sglang.Engine(
             model_path=model_dir, device="cpu", attention_backend=backend, dtype="float32",
             page_size=PAGE_SIZE, max_total_tokens=2048, mem_fraction_static=0.1, disable_cuda_graph=True,
-            sampling_backend="pytorch", skip_server_warmup=True, log_level="info", random_seed=0)
+            sampling_backend="pytorch", skip_server_warmup=True, log_level="info", random_seed=0, tp_size=tp_size)
         try:
             params = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
             batches = []
@@ -47,4 +47,8 @@ def run(backend: str, model_dirs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2:])
+    argv = sys.argv[1:]
+    tp = 1
+    if argv[:1] == ["--tp"]:
+        tp, argv = int(argv[1]), argv[2:]
+    run(argv[0], argv[1:], tp)

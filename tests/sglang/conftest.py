@@ -53,10 +53,16 @@ def sglang_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-def run_engines(backend: str, model_dirs: list[Path], **env: str) -> tuple[dict[str, list], str]:
-    """({model dir: batches of greedy tokens}, stderr) of one runner subprocess."""
+def run_engines(backend: str, model_dirs: list[Path], tp: int = 1, **env: str) -> tuple[dict[str, list], str]:
+    """({model dir: batches of greedy tokens}, stderr) of one runner subprocess; ``tp`` ranks (one
+    CPU core each)."""
+    if tp > 1:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < tp:
+            pytest.skip(f"needs {tp} CPUs for {tp} SGLang TP ranks")
+        env = {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus[:tp])), **env}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.sglang._engine_runner", backend, *map(str, model_dirs)],
+        [sys.executable, "-m", "tests.sglang._engine_runner", "--tp", str(tp), backend, *map(str, model_dirs)],
         cwd=REPO, env=sglang_env(**env), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
     results = {}

@@ -155,3 +155,26 @@ def test_atom_off_is_stock_sglang(stock):
     log = stock[1]
     assert "atom not activated under SGLang: disabled by ATOM_DISABLE_SGLANG_PLUGIN=1" in log
     assert "atom active" not in log and "built atom.models" not in log
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(models):
+    """Two SGLang TP ranks (one CPU core each) on the tiny Qwen3 and Qwen3-MoE: stock SGLang,
+    then with atom active."""
+    dirs = [models["qwen3"], models["qwen3_moe"]]
+    stock = run_engines("torch_native", dirs, tp=2, ATOM_DISABLE_SGLANG_PLUGIN="1")[0]
+    ours, log = run_engines("torch_native", dirs, tp=2)
+    return {str(d): (ours[str(d)], stock[str(d)]) for d in dirs}, log
+
+
+def test_tensor_parallel_is_served_by_sglangs_model(tp2_runs):
+    """atom's models under SGLang run on one rank for now, stock SGLang's run TP: with atom active,
+    a TP=2 engine builds SGLang's own model on each rank (the class atom's override replaced),
+    says so once per rank and architecture, and gives stock SGLang's tokens."""
+    runs, log = tp2_runs
+    for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        line = f"atom steps aside for {arch} (tp_size=2: atom's models under SGLang run on one rank for now)"
+        assert log.count(line) == 2, log[-4000:]  # TP0 and TP1
+    assert "under SGLang, tp rank" not in log  # atom's "built ..." line
+    for ours, stock in runs.values():
+        assert ours == stock

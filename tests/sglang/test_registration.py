@@ -6,6 +6,7 @@ has the shape of the SGLang base-class member it stands in for."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 
@@ -46,6 +47,56 @@ def test_entry_point_registers_backend_and_models():
     for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM"):
         assert f"MODEL {arch} atom.plugin.sglang.model_wrapper {arch}" in out
     assert "MODEL MixtralForCausalLM sglang.srt.models.mixtral MixtralForCausalLM" in out  # not in the table for SGLang
+
+
+STOCK_PROBE = """
+import json
+from types import SimpleNamespace
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.layers.quantization.fp8 import Fp8Config
+from sglang.srt.models.registry import ModelRegistry
+from atom.plugin.sglang import model_wrapper
+out = {}
+for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM"):
+    cls = ModelRegistry.models[arch]
+    stock = cls.stock_class
+    out[arch] = {"wrapper": cls.__module__, "stock": stock.__module__ + ":" + stock.__name__,
+                 "presented": {name: hasattr(stock, name) and getattr(cls, name) == getattr(stock, name)
+                               for name in model_wrapper.STOCK_CLASS_ATTRIBUTES},
+                 "stock_has": {name: hasattr(stock, name) for name in model_wrapper.STOCK_CLASS_ATTRIBUTES}}
+one = SimpleNamespace(tp_size=1, pp_size=1, ep_size=1, dp_size=1)
+decisions = {"one": model_wrapper.builds(None, one),
+             "fp8": model_wrapper.builds(Fp8Config(is_checkpoint_fp8_serialized=True), one),
+             "ep_dp": model_wrapper.builds(None, SimpleNamespace(tp_size=2, pp_size=1, ep_size=2, dp_size=2)),
+             "pp": model_wrapper.builds(None, SimpleNamespace(tp_size=1, pp_size=2, ep_size=1, dp_size=1))}
+out["builds"] = {k: list(v[:2]) for k, v in decisions.items()}
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_wrappers_stand_in_for_the_classes_they_replace():
+    """Where atom steps aside at build (a quantized checkpoint, more than one rank), SGLang's own
+    class is built: atom's wrapper keeps the class it replaced and presents what SGLang reads of
+    the registry's class before building it (module mappings for the quantization config, the
+    MoE expert-location hook), so SGLang prepares that build as without atom. (A real TP=2
+    engine: tests/sglang/test_engine.py; a quantized one needs SGLang's GPU kernels.)"""
+    proc = subprocess.run([sys.executable, "-c", STOCK_PROBE], cwd=REPO, env=sglang_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    for arch, module in (("Qwen3ForCausalLM", "qwen3"), ("Qwen3MoeForCausalLM", "qwen3_moe"), ("LlamaForCausalLM", "llama")):
+        assert out[arch]["wrapper"] == "atom.plugin.sglang.model_wrapper"
+        assert out[arch]["stock"] == f"sglang.srt.models.{module}:{arch}"
+        assert out[arch]["presented"] == out[arch]["stock_has"], out[arch]
+    assert out["Qwen3MoeForCausalLM"]["stock_has"]["packed_modules_mapping"]
+    assert out["Qwen3MoeForCausalLM"]["stock_has"]["get_model_config_for_expert_location"]
+    assert out["builds"] == {
+        "one": [True, "an unquantized checkpoint on one rank"],
+        "fp8": [False, "a 'fp8' checkpoint: atom's models under SGLang load unquantized checkpoints only"],
+        "ep_dp": [False, "tp_size=2, ep_size=2, dp_size=2: atom's models under SGLang run on one rank for now"],
+        "pp": [False, "pp_size=2: atom's models under SGLang run on one rank for now"],
+    }
 
 
 def test_off_on_cpu_by_default():

@@ -31,6 +31,7 @@ from atom import envs
 from atom._logging import get_logger, info_once
 from atom.config import Config
 from atom.models.interfaces import ModelParallel, missing_causal_lm_members
+from atom.plugin import Decision
 from atom.plugin.models import BY_ARCH
 from atom.plugin.sglang.attention import impl_for_layer
 from atom.plugin.sglang.compat import BACKEND_NAME
@@ -151,8 +152,68 @@ def atom_config_from_sglang(hf_config: Any, server_args: Any) -> Config:
                   enable_expert_parallel=int(getattr(server_args, "ep_size", 1) or 1) > 1)
 
 
+#: What SGLang reads of the registry's class before it builds one (its loader's quantization
+#: config: module mappings, prefix remap, weight-name mapper; the expert-location metadata of MoE
+#: models). atom's wrapper presents the class it replaces (:func:`adopt_stock`), so SGLang
+#: prepares exactly what that class needs where atom steps aside for it (:func:`builds`); atom's
+#: own models load unquantized checkpoints on one rank, where none of these is used.
+STOCK_CLASS_ATTRIBUTES = ("packed_modules_mapping", "remap_prefix", "hf_to_sglang_mapper",
+                          "get_model_config_for_expert_location")
+
+
+def adopt_stock(wrapper: type, stock: type) -> None:
+    """Remember SGLang's own class ``stock`` on atom's ``wrapper`` (which replaces it in the
+    registry) and present its :data:`STOCK_CLASS_ATTRIBUTES`."""
+    wrapper.stock_class = stock
+    for name in STOCK_CLASS_ATTRIBUTES:
+        if name in wrapper.__dict__:
+            delattr(wrapper, name)  # a previous adoption's
+        if hasattr(stock, name):
+            setattr(wrapper, name, getattr(stock, name))
+
+
+_PARALLEL_SIZES = ("tp_size", "pp_size", "ep_size", "dp_size")
+
+
+def builds(quant_config: Any, server_args: Any) -> Decision:
+    """Decision(True/False, reason): does atom's model serve this SGLang engine? Asked when SGLang
+    constructs the registry's class, the first point that sees the checkpoint's quantization
+    (SGLang resolves the class from the architecture name alone). Not: a quantized checkpoint
+    (atom's models under SGLang load unquantized weights), or more than one rank (SGLang's TP
+    group is wired, :func:`sglang_parallel`, but no multi-rank SGLang run has checked atom's
+    models yet; pipeline, expert and data parallelism are not implemented)."""
+    if quant_config is not None:
+        name = quant_config.get_name() if hasattr(quant_config, "get_name") else type(quant_config).__name__
+        return Decision(False, f"a {name!r} checkpoint: atom's models under SGLang load unquantized checkpoints only")
+    sizes = {f: int(getattr(server_args, f, 1) or 1) for f in _PARALLEL_SIZES}
+    many = ", ".join(f"{f}={n}" for f, n in sizes.items() if n > 1)
+    if many:
+        return Decision(False, f"{many}: atom's models under SGLang run on one rank for now")
+    return Decision(True, "an unquantized checkpoint on one rank")
+
+
 class ATOMSGLangModelBase(nn.Module):
-    """An SGLang model that runs an atom model (chosen by HF architecture from the table)."""
+    """An SGLang model that runs an atom model (chosen by HF architecture from the table).
+
+    Constructed where atom's model does not serve the engine (:func:`builds`: a quantized
+    checkpoint, more than one rank), it builds SGLang's own class it replaced instead
+    (``stock_class``, :func:`adopt_stock`), with one INFO line: stock SGLang serves these. Where
+    that class is unknown (atom's override not registered in this process), ``__init__``
+    refuses with the reason."""
+
+    #: SGLang's own class for this architecture, set when atom's override replaces it.
+    stock_class: Optional[type] = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        from sglang.srt.server_args import get_global_server_args
+
+        quant_config = kwargs.get("quant_config", args[1] if len(args) > 1 else None)
+        decision = builds(quant_config, get_global_server_args())
+        if not decision.value and cls.stock_class is not None:
+            info_once(f"sglang-step-aside:{cls.__name__}:{decision.reason}",
+                      f"atom steps aside for {cls.__name__} ({decision.reason}): SGLang's own model serves it", logger)
+            return cls.stock_class(*args, **kwargs)  # not an instance of cls: Python skips cls.__init__
+        return super().__new__(cls)
 
     def __init__(self, config: Any, quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
@@ -162,16 +223,12 @@ class ATOMSGLangModelBase(nn.Module):
         entry = BY_ARCH.get(arch)
         if entry is None or entry.sglang_wrapper != type(self).__name__:
             raise ValueError(f"atom's {type(self).__name__} does not serve architecture {arch!r}")
-        if quant_config is not None:
-            raise NotImplementedError(f"atom's {arch} under SGLang runs unquantized checkpoints only; "
-                                      "set ATOM_DISABLE_SGLANG_PLUGIN=1 to use SGLang's model")
         args = get_global_server_args()
-        # SGLang's TP group is wired (sglang_parallel) but no multi-rank SGLang run has checked
-        # it yet: refused until one does, like pipeline and expert parallelism.
-        if any(int(getattr(args, f, 1) or 1) > 1 for f in ("tp_size", "pp_size", "ep_size", "dp_size")):
-            raise NotImplementedError("atom's models under SGLang run on one rank for now (no tensor, pipeline, "
-                                      "expert or data parallelism yet); set ATOM_DISABLE_SGLANG_PLUGIN=1 to use "
-                                      "SGLang's model")
+        decision = builds(quant_config, args)
+        if not decision.value:
+            raise NotImplementedError(f"atom's {arch} does not serve this SGLang engine ({decision.reason}) and "
+                                      "SGLang's own class is not registered in this process; set "
+                                      "ATOM_DISABLE_SGLANG_PLUGIN=1 to use SGLang's model")
         from atom.plugin.sglang.attention_mha import attention_backend
 
         decision = attention_backend()

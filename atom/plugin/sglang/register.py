@@ -120,7 +120,10 @@ def _override_models(module) -> None:  # noqa: ANN001
     for entry in MODEL_TABLE:
         if not entry.sglang_wrapper or entry.arch not in registry.models or not entry.implemented():
             continue
-        registry.models[entry.arch] = getattr(model_wrapper, entry.sglang_wrapper)
+        wrapper = getattr(model_wrapper, entry.sglang_wrapper)
+        if registry.models[entry.arch] is not wrapper:
+            model_wrapper.adopt_stock(wrapper, registry.models[entry.arch])
+        registry.models[entry.arch] = wrapper
         overridden.append(entry.arch)
         logger.info("Register model %s to SGLang with %s", entry.arch, entry.sglang_wrapper_ref)
     logger.info("atom active under SGLang: %d model override(s) (%s)", len(overridden), ", ".join(overridden) or "none")
