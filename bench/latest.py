@@ -77,6 +77,10 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/gpu_2026-11-27d/archs/ab_mixtral.json"},
     {"path": "bench/results/gpu_2026-11-27d/archs/ab_glm4moe.json"},
     {"path": "bench/results/gpu_2026-11-27d/archs/ab_gptoss.json"},
+    # GPT-OSS again on an H200 (2026-11-27f): three more launches (5, 2 and 2 rounds of 15 s) in two
+    # commands, pooled with the quick check above
+    {"path": "bench/results/gpu_2026-11-27f/ab_gptoss_launch1.json"},
+    {"path": "bench/results/gpu_2026-11-27f/ab_gptoss_launch2-3.json"},
     # ATOM_BF16_GEMV (atom with it vs atom without, the reference), Qwen3-8B dims at full depth,
     # batch 1, H200: three launches in two commands, pooled
     {"path": "bench/results/gpu_2026-11-27d/gemv_h200/ab_dense_L36_c1_a.json"},
