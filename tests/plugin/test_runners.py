@@ -119,20 +119,26 @@ def test_unloadable_quantization_steps_aside():
 
 
 def test_architecture_measured_slower_on_nvidia_steps_aside_unless_enabled(monkeypatch):
-    """GPT-OSS (the table's nvidia_aside) goes to vLLM's own model on NVIDIA GPUs unless
-    ATOM_ENABLE_ON_NVIDIA names it (or is *); other architectures and other devices stay atom's."""
+    """An architecture whose table entry records a measured loss on NVIDIA GPUs (``nvidia_aside``)
+    goes to vLLM's own model there unless ATOM_ENABLE_ON_NVIDIA names it (or is *); other
+    architectures and other devices stay atom's. No entry has one today: GPT-OSS's measured loss
+    did not hold up under more launches (docs/performance.md), so it is atom's by default."""
+    import dataclasses
     from types import SimpleNamespace
 
-    from atom.plugin.models import BY_ARCH
+    from atom.plugin.models import BY_ARCH, MODEL_TABLE
     from atom.plugin.vllm import overrides
 
     cfg = SimpleNamespace(runner_type="generate", convert_type=None, hf_config=SimpleNamespace())
-    assert BY_ARCH["GptOssForCausalLM"].nvidia_aside
     monkeypatch.setattr(overrides, "on_nvidia", lambda: True)
     monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA", raising=False)
+    assert not [e.arch for e in MODEL_TABLE if e.nvidia_aside]
+    assert overrides.serves(["GptOssForCausalLM"], cfg).value
+    monkeypatch.setitem(BY_ARCH, "GptOssForCausalLM",
+                        dataclasses.replace(BY_ARCH["GptOssForCausalLM"], nvidia_aside="measured 0.5x of vLLM's"))
     aside = overrides.serves(["GptOssForCausalLM"], cfg)
     assert not aside.value and "ATOM_ENABLE_ON_NVIDIA=GptOssForCausalLM" in aside.reason
-    assert "0.89x" in aside.reason
+    assert "measured 0.5x of vLLM's" in aside.reason
     for arch in ("Qwen3ForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM"):
         assert overrides.serves([arch], cfg).value, arch
     for value in ("GptOssForCausalLM", "LlamaForCausalLM,GptOssForCausalLM", "*"):
