@@ -24,7 +24,8 @@ serves; the wrapper's refusal stays as the backstop where vLLM resolves a class 
 registry.
 
 Some of what atom's models do not run is known only when vLLM builds the class: the parallel
-layout (pipeline parallelism, expert parallelism across data-parallel ranks). There the wrapper
+layout (pipeline parallelism, expert parallelism across data-parallel ranks), LoRA adapters,
+speculative decoding that hands the target model to a draft. There the wrapper
 asks :func:`builds` and constructs vLLM's own class (:func:`stock_class`) instead; vLLM's check
 whether the model runs pipeline parallelism (``is_pp_supported_model``, asked only for PP > 1)
 is answered by vLLM's own entries.
@@ -92,6 +93,11 @@ def unloadable_quantization(arch: str, quant: "str | None") -> str:
     return f"a {quant!r} checkpoint, and atom's {arch} loads {loads} checkpoints only"
 
 
+#: Speculative-decoding methods that propose from token ids alone (no draft model reads the
+#: target's hidden states, embeddings or head): atom's models serve them (ngram: tested on CPU).
+TOKEN_ONLY_SPECULATION = ("ngram", "suffix")
+
+
 def builds(vllm_config: Any) -> Decision:
     """Decision(True/False, reason): does atom's class, which vLLM's registry chose (:func:`serves`),
     build the model for this engine's parallel layout and quantization? Asked when vLLM constructs
@@ -102,8 +108,18 @@ def builds(vllm_config: Any) -> Decision:
 
     atom's models do not run pipeline parallelism, nor expert parallelism across data-parallel
     ranks (their experts all-reduce over the TP group, which holds every EP rank only when
-    ``data_parallel_size`` and the prefill context-parallel size are 1)."""
+    ``data_parallel_size`` and the prefill context-parallel size are 1); they take no LoRA
+    adapters; and of speculative decoding they serve only the methods that read token ids alone
+    (:data:`TOKEN_ONLY_SPECULATION`), not those that hand the target model to a draft (EAGLE's
+    hidden states, MTP, a draft model sharing its embeddings)."""
     model_config = vllm_config.model_config
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return Decision(False, "LoRA adapters enabled: atom's models take none")
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None) if spec is not None else None
+    if method is not None and method not in TOKEN_ONLY_SPECULATION:
+        return Decision(False, f"speculative decoding by {method!r}: atom's models serve "
+                               f"{' and '.join(TOKEN_ONLY_SPECULATION)} speculation only")
     par = vllm_config.parallel_config
     pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
     if pp > 1:
