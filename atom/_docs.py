@@ -103,8 +103,9 @@ def render_supported_models() -> str:
     lines.append("\nA checkpoint in a quantization format the table does not list for its architecture "
                  "(MXFP4, AWQ, GPTQ, compressed-tensors, ...) is served by vLLM's own model: atom steps "
                  "aside for it and logs one line saying so. So is every architecture under pipeline "
-                 "parallelism, and under expert parallelism across data-parallel ranks: atom's wrapper "
-                 "builds vLLM's own class there (vLLM knows the layout only when it builds the model).\n")
+                 "parallelism, under expert parallelism across data-parallel ranks, with LoRA adapters "
+                 "(`--enable-lora`) and with speculative decoding other than ngram / suffix (EAGLE, MTP, a "
+                 "draft model): atom's wrapper builds vLLM's own class there, as vLLM builds the model.\n")
     aside = [e for e in MODEL_TABLE if e.nvidia_aside]
     if aside:
         lines.append("\nOn NVIDIA GPUs atom also steps aside, by default, for these architectures "
@@ -119,8 +120,9 @@ def render_supported_models() -> str:
                          f"{_cell(e.sglang_verified or 'not yet')} |\n")
     served = ", ".join(f"`{e.arch}`" for e in MODEL_TABLE if not e.sglang_wrapper)
     lines.append(f"\nNot yet through SGLang (SGLang's own classes serve them): {served}. For a quantized "
-                 "checkpoint, and for more than one rank (tensor, expert, pipeline or data parallelism), atom's "
-                 "wrapper builds SGLang's own class and logs one line saying so.\n")
+                 "checkpoint, more than one rank (tensor, expert, pipeline or data parallelism), LoRA adapters "
+                 "and speculative decoding, atom's wrapper builds SGLang's own class and logs one line saying "
+                 "so.\n")
     return "".join(lines)
 
 

@@ -65,18 +65,24 @@ for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM"):
                  "presented": {name: hasattr(stock, name) and getattr(cls, name) == getattr(stock, name)
                                for name in model_wrapper.STOCK_CLASS_ATTRIBUTES},
                  "stock_has": {name: hasattr(stock, name) for name in model_wrapper.STOCK_CLASS_ATTRIBUTES}}
-one = SimpleNamespace(tp_size=1, pp_size=1, ep_size=1, dp_size=1)
+one = SimpleNamespace(tp_size=1, pp_size=1, ep_size=1, dp_size=1, enable_lora=None, lora_paths=None,
+                      speculative_algorithm=None)
+def but(**kw):
+    return SimpleNamespace(**{**vars(one), **kw})
 decisions = {"one": model_wrapper.builds(None, one),
              "fp8": model_wrapper.builds(Fp8Config(is_checkpoint_fp8_serialized=True), one),
-             "ep_dp": model_wrapper.builds(None, SimpleNamespace(tp_size=2, pp_size=1, ep_size=2, dp_size=2)),
-             "pp": model_wrapper.builds(None, SimpleNamespace(tp_size=1, pp_size=2, ep_size=1, dp_size=1))}
+             "ep_dp": model_wrapper.builds(None, but(tp_size=2, ep_size=2, dp_size=2)),
+             "pp": model_wrapper.builds(None, but(pp_size=2)),
+             "lora": model_wrapper.builds(None, but(lora_paths=["a=/tmp/a"])),
+             "eagle": model_wrapper.builds(None, but(speculative_algorithm="EAGLE3"))}
 out["builds"] = {k: list(v[:2]) for k, v in decisions.items()}
 print("RESULT", json.dumps(out))
 """
 
 
 def test_wrappers_stand_in_for_the_classes_they_replace():
-    """Where atom steps aside at build (a quantized checkpoint, more than one rank), SGLang's own
+    """Where atom steps aside at build (a quantized checkpoint, more than one rank, LoRA adapters,
+    speculative decoding), SGLang's own
     class is built: atom's wrapper keeps the class it replaced and presents what SGLang reads of
     the registry's class before building it (module mappings for the quantization config, the
     MoE expert-location hook), so SGLang prepares that build as without atom. (A real TP=2
@@ -96,6 +102,8 @@ def test_wrappers_stand_in_for_the_classes_they_replace():
         "fp8": [False, "a 'fp8' checkpoint: atom's models under SGLang load unquantized checkpoints only"],
         "ep_dp": [False, "tp_size=2, ep_size=2, dp_size=2: atom's models under SGLang run on one rank for now"],
         "pp": [False, "pp_size=2: atom's models under SGLang run on one rank for now"],
+        "lora": [False, "LoRA adapters enabled: atom's models under SGLang take none"],
+        "eagle": [False, "speculative decoding (EAGLE3): atom's models under SGLang have no draft hooks"],
     }
 
 

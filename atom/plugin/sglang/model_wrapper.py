@@ -172,7 +172,7 @@ def adopt_stock(wrapper: type, stock: type) -> None:
             setattr(wrapper, name, getattr(stock, name))
 
 
-_PARALLEL_SIZES = ("tp_size", "pp_size", "ep_size", "dp_size")
+_PARALLEL_SIZES = ("tp_size", "pp_size", "ep_size", "dp_size", "moe_dp_size", "attn_cp_size")
 
 
 def builds(quant_config: Any, server_args: Any) -> Decision:
@@ -181,7 +181,8 @@ def builds(quant_config: Any, server_args: Any) -> Decision:
     (SGLang resolves the class from the architecture name alone). Not: a quantized checkpoint
     (atom's models under SGLang load unquantized weights), or more than one rank (SGLang's TP
     group is wired, :func:`sglang_parallel`, but no multi-rank SGLang run has checked atom's
-    models yet; pipeline, expert and data parallelism are not implemented)."""
+    models yet; pipeline, expert and data parallelism are not implemented), LoRA adapters or
+    speculative decoding (atom's wrappers implement neither SGLang's LoRA nor its draft hooks)."""
     if quant_config is not None:
         name = quant_config.get_name() if hasattr(quant_config, "get_name") else type(quant_config).__name__
         return Decision(False, f"a {name!r} checkpoint: atom's models under SGLang load unquantized checkpoints only")
@@ -189,6 +190,11 @@ def builds(quant_config: Any, server_args: Any) -> Decision:
     many = ", ".join(f"{f}={n}" for f, n in sizes.items() if n > 1)
     if many:
         return Decision(False, f"{many}: atom's models under SGLang run on one rank for now")
+    if getattr(server_args, "enable_lora", None) or getattr(server_args, "lora_paths", None):
+        return Decision(False, "LoRA adapters enabled: atom's models under SGLang take none")
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm:
+        return Decision(False, f"speculative decoding ({algorithm}): atom's models under SGLang have no draft hooks")
     return Decision(True, "an unquantized checkpoint on one rank")
 
 
