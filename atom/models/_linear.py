@@ -42,14 +42,14 @@ from atom.models._quant import (
     scaled_mm_usable,
 )
 from atom.models.interfaces import ModelParallel
+from atom.ops._common import nvidia_gpu
 from atom.ops.fused_quant import Activation, QuantizedActivation
 
 VOCAB_PADDING = 64
 
 
-def on_nvidia_gpu(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives on an NVIDIA GPU (CUDA, not ROCm's HIP)."""
-    return t.is_cuda and getattr(torch.version, "hip", None) is None
+#: Whether a tensor lives on an NVIDIA GPU (named here so that tests can stand in for a GPU).
+on_nvidia_gpu = nvidia_gpu
 
 
 def bf16_gemv_on(weight: torch.Tensor) -> bool:

@@ -25,6 +25,13 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
+def nvidia_gpu(t: Optional[torch.Tensor] = None) -> bool:
+    """Whether ``t`` lives on an NVIDIA GPU (CUDA, not ROCm's HIP); without ``t``, whether this
+    process sees one."""
+    on_cuda = t.is_cuda if t is not None else torch.cuda.is_available()
+    return bool(on_cuda) and getattr(torch.version, "hip", None) is None
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1) (tile sizes of every Triton kernel)."""
     return 1 << max(0, int(n) - 1).bit_length()

@@ -89,6 +89,23 @@ def test_default_on_nvidia_gpus_only(monkeypatch):
     assert _linear.bf16_gemv_on(w)
 
 
+def test_nvidia_gpu_is_cuda_without_hip(monkeypatch):
+    """The one "NVIDIA GPU?" answer of atom's kernels (a tensor's device, or this process): CUDA
+    and not ROCm's HIP (whose torch also says ``cuda``)."""
+    from types import SimpleNamespace
+
+    from atom.ops._common import nvidia_gpu
+
+    cuda = SimpleNamespace(is_cuda=True)
+    assert not nvidia_gpu(torch.zeros(1)) and nvidia_gpu(cuda) == (getattr(torch.version, "hip", None) is None)
+    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
+    assert not nvidia_gpu(cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not nvidia_gpu()
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert nvidia_gpu() and nvidia_gpu(cuda)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_real_shape():

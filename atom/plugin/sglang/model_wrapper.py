@@ -202,7 +202,8 @@ class ATOMSGLangModelBase(nn.Module):
     """An SGLang model that runs an atom model (chosen by HF architecture from the table).
 
     Constructed where atom's model does not serve the engine (:func:`builds`: a quantized
-    checkpoint, more than one rank), it builds SGLang's own class it replaced instead
+    checkpoint, more than one rank, LoRA adapters, speculative decoding), it builds SGLang's own
+    class it replaced instead
     (``stock_class``, :func:`adopt_stock`), with one INFO line: stock SGLang serves these. Where
     that class is unknown (atom's override not registered in this process), ``__init__``
     refuses with the reason."""

@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from atom import envs
 from atom._logging import get_logger, info_once, warn_once
+from atom.ops._common import nvidia_gpu
 from atom.ops.fp8_gemm import HostGemm, set_host_gemm
 from atom.ops.fused_quant import column_major
 
@@ -38,12 +39,6 @@ logger = get_logger("atom.plugin")
 
 CUTLASS = "vLLM CUTLASS cutlass_scaled_mm (block fp8)"
 DEEPGEMM = "vLLM DeepGEMM fp8_gemm_nt (block fp8)"
-
-
-def _nvidia_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available() and not getattr(torch.version, "hip", None)
 
 
 def _block_gemm(accepts: Callable[..., bool], quantise: Callable[..., Any],
@@ -69,7 +64,7 @@ def cutlass_block_gemm() -> Optional[Callable[..., Any]]:
     """The GEMM function, or None (with the reason logged once) where vLLM's kernel does not run."""
     import torch
 
-    if not _nvidia_gpu():
+    if not nvidia_gpu():
         return None
     try:
         from vllm import _custom_ops as vops
@@ -99,7 +94,7 @@ def deepgemm_block_gemm() -> Optional[Callable[..., Any]]:
     says it does not run, or where it would need E8M0 scales."""
     import torch
 
-    if not _nvidia_gpu():
+    if not nvidia_gpu():
         return None
     try:
         from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8

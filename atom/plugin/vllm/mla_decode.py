@@ -26,6 +26,7 @@ from typing import Any, Optional
 from atom import envs
 from atom._logging import get_logger, info_once, warn_once
 from atom.models.attention.mla import HostDecode, set_host_decode
+from atom.ops._common import nvidia_gpu
 
 logger = get_logger("atom.plugin")
 
@@ -52,9 +53,7 @@ def _declines(num_heads: int, kv_lora_rank: int, rope_dim: int, dtype: Any, kv_c
 def flashmla_decode() -> Optional[HostDecode]:
     """FlashMLA as a :class:`HostDecode`, or None (the reason logged once) where vLLM says it does
     not run here or its interface is not the one atom calls."""
-    import torch
-
-    if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
+    if not nvidia_gpu():
         return None
     try:
         from vllm.v1.attention.ops import flashmla as fm

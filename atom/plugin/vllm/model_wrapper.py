@@ -281,8 +281,9 @@ class ATOMModelBase(nn.Module):
     (:func:`atom.plugin.vllm.overrides.builds`: pipeline parallelism, expert parallelism across
     data-parallel ranks, LoRA adapters, speculative decoding with a draft, a quantization format
     atom does not load) builds vLLM's own class for the architecture instead, with one INFO line:
-    vLLM resolves the class before it knows these, and stock vLLM serves them. Where this process holds no vLLM entry to fall
-    back on (atom's overrides not registered here), ``__init__`` refuses with the reason."""
+    vLLM resolves the class before it knows these, and stock vLLM serves them. Where this process
+    holds no vLLM entry to fall back on (atom's overrides not registered here), ``__init__``
+    refuses with the reason."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         vllm_config = kwargs.get("vllm_config")

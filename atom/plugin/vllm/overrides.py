@@ -100,7 +100,8 @@ TOKEN_ONLY_SPECULATION = ("ngram", "suffix")
 
 def builds(vllm_config: Any) -> Decision:
     """Decision(True/False, reason): does atom's class, which vLLM's registry chose (:func:`serves`),
-    build the model for this engine's parallel layout and quantization? Asked when vLLM constructs
+    build the model for this engine (its parallel layout, LoRA, speculative decoding and
+    quantization)? Asked when vLLM constructs
     the class (``ATOMModelBase.__new__``), the first point that sees the whole ``VllmConfig``: vLLM
     resolves the class from the model's config alone (once in the engine process, again in each
     worker), so a layout atom's models do not run is only known here. Where the answer is False,
