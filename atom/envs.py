@@ -55,8 +55,13 @@ def _parse_bool(name: str, raw: str) -> bool:
     )
 
 
+def _split_list(raw: str) -> tuple[str, ...]:
+    """The non-empty entries of a comma-separated value, stripped."""
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
 def _parse_id_list(name: str, raw: str) -> tuple[str, ...]:
-    items = tuple(part.strip() for part in raw.split(",") if part.strip())
+    items = _split_list(raw)
     for item in items:
         if item != "*" and not all(c.isalnum() or c in "._-" for c in item):
             raise EnvError(
@@ -70,7 +75,7 @@ def _parse_arch_list(name: str, raw: str) -> tuple[str, ...]:
     """Architectures of atom's table (``atom.plugin.models``: strings only, no host import), or '*'."""
     from atom.plugin.models import BY_ARCH
 
-    items = tuple(part.strip() for part in raw.split(",") if part.strip())
+    items = _split_list(raw)
     unknown = [item for item in items if item != "*" and item not in BY_ARCH]
     if unknown:
         raise EnvError(f"{name}={raw!r}: {', '.join(map(repr, unknown))} not atom's; accepted values: a "

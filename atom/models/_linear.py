@@ -48,10 +48,6 @@ from atom.ops.fused_quant import Activation, QuantizedActivation
 VOCAB_PADDING = 64
 
 
-#: Whether a tensor lives on an NVIDIA GPU (named here so that tests can stand in for a GPU).
-on_nvidia_gpu = nvidia_gpu
-
-
 def bf16_gemv_on(weight: torch.Tensor) -> bool:
     """Whether an unquantised linear on ``weight`` runs one-token steps on atom's GEMV
     (:func:`atom.ops.linear`): bf16 / fp16 weights with ``ATOM_BF16_GEMV`` on (the default) on an
@@ -59,7 +55,7 @@ def bf16_gemv_on(weight: torch.Tensor) -> bool:
     ROCm only when the variable is set explicitly."""
     if weight.dtype not in (torch.bfloat16, torch.float16) or not envs.ATOM_BF16_GEMV:
         return False
-    return on_nvidia_gpu(weight) or envs.is_set("ATOM_BF16_GEMV")
+    return nvidia_gpu(weight) or envs.is_set("ATOM_BF16_GEMV")
 
 
 def divide(total: int, parts: int, what: str) -> int:

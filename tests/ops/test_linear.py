@@ -79,12 +79,12 @@ def test_default_on_nvidia_gpus_only(monkeypatch):
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     monkeypatch.delenv("ATOM_BF16_GEMV", raising=False)
     assert not _linear.bf16_gemv_on(w)  # a CPU tensor
-    monkeypatch.setattr(_linear, "on_nvidia_gpu", lambda t: True)
+    monkeypatch.setattr(_linear, "nvidia_gpu", lambda t: True)
     assert _linear.bf16_gemv_on(w) and _linear.bf16_gemv_on(w.half())
     assert not _linear.bf16_gemv_on(w.float())
     monkeypatch.setenv("ATOM_BF16_GEMV", "0")
     assert not _linear.bf16_gemv_on(w)
-    monkeypatch.setattr(_linear, "on_nvidia_gpu", lambda t: False)
+    monkeypatch.setattr(_linear, "nvidia_gpu", lambda t: False)
     monkeypatch.setenv("ATOM_BF16_GEMV", "1")
     assert _linear.bf16_gemv_on(w)
 

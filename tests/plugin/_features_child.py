@@ -1,14 +1,10 @@
 """One process, one side (atom on or off, from the environment): vLLM engine features whose
-support is a property of the model class, on the tiny fp32 Qwen3 (tests/plugin/test_engine_features.py).
-
-    python -m tests.plugin._features_child MODEL_DIR ADAPTER_DIR OUT.json
-"""
+support is a property of the model class, on the tiny fp32 Qwen3. ``run`` is called in a fresh
+interpreter per side by tests/plugin/test_engine_features.py (plugins load once per process)."""
 
 from __future__ import annotations
 
 import gc
-import json
-import sys
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9] * 7, [(17 * i + 3) % 997 for i in range(40)]]
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3, seed=0,
@@ -46,9 +42,3 @@ def run(model: str, adapter: str) -> dict:
     gc.collect()
     cleanup_dist_env_and_memory()
     return out
-
-
-if __name__ == "__main__":
-    model, adapter, path = sys.argv[1:4]
-    with open(path, "w") as f:
-        json.dump(run(model, adapter), f)

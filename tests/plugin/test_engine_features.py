@@ -55,9 +55,8 @@ def sides(tiny_model, tmp_path_factory):
     for side, env in (("stock", {"ATOM_DISABLE_VLLM_PLUGIN": "1"}), ("atom", {})):
         path = tmp_path_factory.mktemp(side) / "out.json"
         proc = run_python(f"""
-            import sys
-            from tests.plugin._features_child import run
             import json
+            from tests.plugin._features_child import run
             json.dump(run({str(model)!r}, {str(adapter)!r}), open({str(path)!r}, "w"))
         """, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -166,8 +166,6 @@ def adopt_stock(wrapper: type, stock: type) -> None:
     registry) and present its :data:`STOCK_CLASS_ATTRIBUTES`."""
     wrapper.stock_class = stock
     for name in STOCK_CLASS_ATTRIBUTES:
-        if name in wrapper.__dict__:
-            delattr(wrapper, name)  # a previous adoption's
         if hasattr(stock, name):
             setattr(wrapper, name, getattr(stock, name))
 
@@ -205,8 +203,8 @@ class ATOMSGLangModelBase(nn.Module):
     checkpoint, more than one rank, LoRA adapters, speculative decoding), it builds SGLang's own
     class it replaced instead
     (``stock_class``, :func:`adopt_stock`), with one INFO line: stock SGLang serves these. Where
-    that class is unknown (atom's override not registered in this process), ``__init__``
-    refuses with the reason."""
+    that class is unknown (atom's override not registered in this process), it refuses with the
+    reason."""
 
     #: SGLang's own class for this architecture, set when atom's override replaces it.
     stock_class: Optional[type] = None
@@ -216,11 +214,15 @@ class ATOMSGLangModelBase(nn.Module):
 
         quant_config = kwargs.get("quant_config", args[1] if len(args) > 1 else None)
         decision = builds(quant_config, get_global_server_args())
-        if not decision.value and cls.stock_class is not None:
-            info_once(f"sglang-step-aside:{cls.__name__}:{decision.reason}",
-                      f"atom steps aside for {cls.__name__} ({decision.reason}): SGLang's own model serves it", logger)
-            return cls.stock_class(*args, **kwargs)  # not an instance of cls: Python skips cls.__init__
-        return super().__new__(cls)
+        if decision.value:
+            return super().__new__(cls)
+        if cls.stock_class is None:
+            raise NotImplementedError(f"atom's {cls.__name__} does not serve this SGLang engine ({decision.reason}) "
+                                      "and SGLang's own class is not registered in this process; set "
+                                      "ATOM_DISABLE_SGLANG_PLUGIN=1 to use SGLang's model")
+        info_once(f"sglang-step-aside:{cls.__name__}:{decision.reason}",
+                  f"atom steps aside for {cls.__name__} ({decision.reason}): SGLang's own model serves it", logger)
+        return cls.stock_class(*args, **kwargs)  # not an instance of cls: Python skips cls.__init__
 
     def __init__(self, config: Any, quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
@@ -231,11 +233,6 @@ class ATOMSGLangModelBase(nn.Module):
         if entry is None or entry.sglang_wrapper != type(self).__name__:
             raise ValueError(f"atom's {type(self).__name__} does not serve architecture {arch!r}")
         args = get_global_server_args()
-        decision = builds(quant_config, args)
-        if not decision.value:
-            raise NotImplementedError(f"atom's {arch} does not serve this SGLang engine ({decision.reason}) and "
-                                      "SGLang's own class is not registered in this process; set "
-                                      "ATOM_DISABLE_SGLANG_PLUGIN=1 to use SGLang's model")
         from atom.plugin.sglang.attention_mha import attention_backend
 
         decision = attention_backend()

@@ -282,24 +282,27 @@ class ATOMModelBase(nn.Module):
     data-parallel ranks, LoRA adapters, speculative decoding with a draft, a quantization format
     atom does not load) builds vLLM's own class for the architecture instead, with one INFO line:
     vLLM resolves the class before it knows these, and stock vLLM serves them. Where this process
-    holds no vLLM entry to fall back on (atom's overrides not registered here), ``__init__``
-    refuses with the reason."""
+    holds no vLLM entry to fall back on (atom's overrides not registered here), it refuses with
+    the reason."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        vllm_config = kwargs.get("vllm_config")
-        if vllm_config is not None:
-            decision = overrides.builds(vllm_config)
-            arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or ["?"])[0]
-            stock = None if decision.value else overrides.stock_class(arch)
-            if stock is not None:
-                overrides.step_aside_once(arch, decision.reason)
-                if getattr(vllm_config, "quant_config", None) is not None:
-                    # vLLM passed atom's class, which has no module mappings, to its quant config
-                    from vllm.model_executor.model_loader.utils import configure_quant_config
+        vllm_config = kwargs.get("vllm_config")  # None: not vLLM's call, which __init__ refuses
+        decision = overrides.builds(vllm_config) if vllm_config is not None else None
+        if decision is None or decision.value:
+            return super().__new__(cls)
+        arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or ["?"])[0]
+        stock = overrides.stock_class(arch)
+        if stock is None:
+            raise NotImplementedError(f"atom's {arch} does not serve this engine ({decision.reason}) and vLLM's own "
+                                      "class is not registered in this process; set ATOM_DISABLE_VLLM_PLUGIN=1 to "
+                                      "use vLLM's model")
+        overrides.step_aside_once(arch, decision.reason)
+        if getattr(vllm_config, "quant_config", None) is not None:
+            # vLLM passed atom's class, which has no module mappings, to its quant config
+            from vllm.model_executor.model_loader.utils import configure_quant_config
 
-                    configure_quant_config(vllm_config.quant_config, stock)
-                return stock(*args, **kwargs)  # not an instance of cls: Python skips cls.__init__
-        return super().__new__(cls)
+            configure_quant_config(vllm_config.quant_config, stock)
+        return stock(*args, **kwargs)  # not an instance of cls: Python skips cls.__init__
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__()
@@ -308,11 +311,6 @@ class ATOMModelBase(nn.Module):
         entry = BY_ARCH.get(arch)
         if entry is None:
             raise ValueError(f"atom has no model for architecture {arch!r} (atom.plugin.models.MODEL_TABLE)")
-        decision = overrides.builds(vllm_config)
-        if not decision.value:
-            raise NotImplementedError(f"atom's {arch} does not serve this engine ({decision.reason}) and vLLM's own "
-                                      "class is not registered in this process; set ATOM_DISABLE_VLLM_PLUGIN=1 to "
-                                      "use vLLM's model")
 
         groups = vllm_groups()
         self.atom_config = atom_config_from_vllm(vllm_config)

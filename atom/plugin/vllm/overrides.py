@@ -208,12 +208,7 @@ def step_aside_once(arch: str, reason: str) -> None:
               f"atom steps aside for {arch} ({reason}): vLLM's own model serves it", logger)
 
 
-def _pp_on_stock_entries(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """The wrapper of ``is_pp_supported_model``, which vLLM asks only for
-    ``pipeline_parallel_size > 1``: there atom's class builds vLLM's own (:func:`builds`), so
-    vLLM's own entries answer whether the model runs pipeline parallelism."""
-    return _on_stock_entries(wrapped, instance, args, kwargs)
-
-
 resolve_model_cls = inspect_model_cls = _with_stock_entries
-is_pp_supported_model = _pp_on_stock_entries
+#: vLLM asks ``is_pp_supported_model`` only for ``pipeline_parallel_size > 1``, where atom's class
+#: builds vLLM's own (:func:`builds`): vLLM's own entries answer it.
+is_pp_supported_model = _on_stock_entries
