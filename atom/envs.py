@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["EnvError", "EnvVar", "VARIABLES", "get", "is_set", "set_values", "OPS_BACKENDS",
-           "COMPILE_ELEMENTWISE", "FP8_HOST_GEMMS", "MLA_HOST_DECODES"]
+           "COMPILE_ELEMENTWISE", "FP8_HOST_GEMMS", "FP8_HOST_GEMMS_SMALL", "MLA_HOST_DECODES"]
 
 
 class EnvError(ValueError):
@@ -35,6 +35,9 @@ _FALSE = ("0", "false", "no", "off")
 
 #: vLLM's block-fp8 GEMMs atom's linears can hand larger batches to (see ATOM_FP8_HOST_GEMM).
 FP8_HOST_GEMMS = ("auto", "deepgemm", "cutlass")
+
+#: Kernels for atom's block-fp8 linears' small batches (see ATOM_FP8_HOST_GEMM_SMALL).
+FP8_HOST_GEMMS_SMALL = ("auto", "flashinfer", "atom")
 
 #: Decode kernels atom's MLA backend can run its decode rows on (see ATOM_MLA_HOST_DECODE).
 MLA_HOST_DECODES = ("auto", "flashmla", "atom")
@@ -331,6 +334,19 @@ VARIABLES: dict[str, EnvVar] = {
             "activations); 0 = never; auto = 17 for DeepGEMM, 128 for CUTLASS (where each measured "
             "faster than atom's kernel, docs/performance.md).",
             _parse_auto_or_nonneg_int, "auto, or an integer >= 0",
+        ),
+        EnvVar(
+            "ATOM_FP8_HOST_GEMM_SMALL", "choice", "auto",
+            "Block-scaled fp8 linears under vLLM on Hopper GPUs, batches of 2 tokens up to the "
+            "larger-batch GEMM's first size (ATOM_FP8_HOST_GEMM_MIN_TOKENS): `flashinfer` = "
+            "FlashInfer's swap-AB block-fp8 GEMM (the kernel stock vLLM runs for these sizes with "
+            "FlashInfer installed; it quantises the activations per 128-channel group itself) on "
+            "weights of more than 4096 output rows, atom's Triton kernel on the others and for one "
+            "token; `atom` = atom's Triton W8A16 kernel (the dequantised layer's numbers); `auto` "
+            "= flashinfer where vLLM says FlashInfer's block-scale GEMM runs (FlashInfer installed, "
+            "SM 9.0, VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER not 0), else atom. Nothing changes with "
+            "ATOM_FP8_W8A8_MIN_TOKENS=0 (W8A16 always).",
+            _choice(*FP8_HOST_GEMMS_SMALL), ", ".join(FP8_HOST_GEMMS_SMALL),
         ),
         EnvVar(
             "ATOM_MOE_GEMV_MAX_TOKENS", "auto or int", "auto",

@@ -47,7 +47,7 @@ SHAPES = [
     ("qwen3-235b qkv", 9216, 4096), ("qwen3-235b o", 4096, 8192),
     ("qwen3-30b qkv", 5120, 2048), ("qwen3-30b o", 2048, 4096),
 ]
-MS = [1, 2, 8, 64, 256, 4096]
+MS = [1, 2, 4, 8, 16, 24, 64, 256, 4096]
 
 
 def timed(fn, reps: int = 20, samples: int = 3, min_ms: float = 100) -> float:
@@ -142,22 +142,25 @@ def stock_flashinfer_dynamic():
 
 
 def atom_default():
-    """atom's op as its linears call it under vLLM: W8A16 up to 16 tokens, then the host GEMM
-    the plugin installs (``ATOM_FP8_HOST_GEMM``, DeepGEMM on the H100), W8A8 Triton where it declines."""
+    """atom's op as its linears call it under vLLM: the GEMV for one token, FlashInfer's swap-AB
+    kernel for 2-16 tokens on weights of more than 4096 rows where vLLM runs it
+    (``ATOM_FP8_HOST_GEMM_SMALL``), W8A16 Triton below 17 tokens otherwise, then the host GEMM the
+    plugin installs (``ATOM_FP8_HOST_GEMM``, DeepGEMM on the H100), W8A8 Triton where it declines."""
     from atom.ops import fp8_block_gemm
     from atom.ops import fp8_gemm as op
     from atom.ops.fp8_gemm import set_host_gemm
     from atom.plugin.vllm import fp8_gemm as host
 
     host.install.cache_clear()
-    name = host.install()
-    gemm = op._HOST_GEMM
+    host.install()
+    gemms = op._HOST_GEMMS
     set_host_gemm(None)  # installed only inside this side's calls: the other atom sides time atom's kernel
-    print(f"[fp8_gemm] atom default: host GEMM {name} from {gemm.min_tokens if gemm else '-'} tokens", flush=True)
+    print("[fp8_gemm] atom default: host GEMMs " + ("; ".join(
+        f"{g.name} {g.min_tokens}-{g.max_tokens - 1 if g.max_tokens else 'max'}" for g in gemms) or "-"), flush=True)
 
     def make(w, s):
         def call(x):
-            set_host_gemm(gemm)
+            set_host_gemm(*gemms)
             try:
                 return fp8_block_gemm.run("triton", x, w, s, BLOCK, w8a8_from=17)
             finally:

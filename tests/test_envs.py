@@ -123,6 +123,7 @@ MALFORMED = {
     "ATOM_DISABLE_FP8_FUSED_ACT_QUANT": ["2", "maybe", ""],
     "ATOM_FP8_HOST_GEMM": ["cublas", "deep_gemm", "auto,cutlass"],
     "ATOM_FP8_HOST_GEMM_MIN_TOKENS": ["-128", "x", "2.0", "", "automatic"],
+    "ATOM_FP8_HOST_GEMM_SMALL": ["cutlass", "flash_infer", "auto,atom"],
     "ATOM_MOE_GEMV_MAX_TOKENS": ["-1", "four", "2.5", "", "autos"],
     "ATOM_MLA_HOST_DECODE": ["flash_mla", "triton", "auto,atom"],
     "ATOM_MLA_DECODE_TILE": ["64,64,8", "48,64,8,2", "64,64,3,2", "64,64,8,0", "big"],

@@ -26,9 +26,11 @@ kernel that produced ``x`` (:mod:`atom.ops.fused_quant`); wherever the op would 
 Where the op would run W8A8, from a host-set batch size up, it may instead call a block-fp8
 GEMM the host ships (:func:`set_host_gemm`; vLLM's plugin offers DeepGEMM or CUTLASS, faster
 than atom's Triton W8A8 kernel from the sizes in docs/performance.md). Those are W8A8 kernels, so
-the host GEMM serves only batches the op would quantise anyway: from ``max(host min_tokens,
-w8a8_from)`` rows, never with ``w8a8_from`` None (W8A16 asked for). Which threshold a layer uses
-is the layer's choice (:mod:`atom.models._linear`).
+a host GEMM serves only batches the op would quantise anyway: from ``max(host min_tokens,
+w8a8_from)`` rows, never with ``w8a8_from`` None (W8A16 asked for). A host GEMM that quantises
+float activations itself (``HostGemm.w8a16_batches``; vLLM's plugin: FlashInfer's swap-AB kernel,
+2-16 tokens) also takes the batches below ``w8a8_from`` in its row range, still never with
+``w8a8_from`` None. Which threshold a layer uses is the layer's choice (:mod:`atom.models._linear`).
 """
 
 from __future__ import annotations
@@ -124,27 +126,38 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 class HostGemm(NamedTuple):
-    """A block-fp8 GEMM the host framework ships (vLLM: DeepGEMM's ``fp8_gemm_nt`` or its CUTLASS
-    ``cutlass_scaled_mm``), offered by the host's plugin (:func:`set_host_gemm`) and used from
-    ``min_tokens`` rows up, on batches the op would run W8A8. ``fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)``
-    returns ``y``, or None where it does not apply (the op then runs atom's kernel); ``x_fp8`` /
-    ``x_fp8_scale`` (None when absent) are ``x``'s fused 1 x 128 quantisation, any scale strides.
-    ``warm_up(weight, weight_scale, block_shape, act_dtype)`` (optional) compiles the kernel's
-    variants for one weight before serving and returns the launches made."""
+    """A block-fp8 GEMM the host framework ships (vLLM: DeepGEMM's ``fp8_gemm_nt``, its CUTLASS
+    ``cutlass_scaled_mm``, FlashInfer's swap-AB kernel), offered by the host's plugin
+    (:func:`set_host_gemm`) and used for batches of ``min_tokens`` up to (not including)
+    ``max_tokens`` rows (None: no end) that the op would run W8A8, and, with ``w8a16_batches``, the
+    float batches below the layer's W8A8 threshold as well (a kernel that quantises them itself).
+    ``fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)`` returns ``y``, or None
+    where it does not apply (the op then tries the next host GEMM, then runs atom's kernel);
+    ``x_fp8`` / ``x_fp8_scale`` (None when absent) are ``x``'s fused 1 x 128 quantisation, any
+    scale strides. ``warm_up(weight, weight_scale, block_shape, act_dtype)`` (optional) compiles
+    the kernel's variants for one weight before serving and returns the launches made."""
 
     fn: Callable[..., Optional[torch.Tensor]]
     min_tokens: int
     name: str
     warm_up: Optional[Callable[..., int]] = None
+    max_tokens: Optional[int] = None
+    w8a16_batches: bool = False
+
+    def serves(self, m: int, w8a8: bool) -> bool:
+        """Whether a batch of ``m`` rows (``w8a8``: one the op would quantise) is this GEMM's."""
+        return (w8a8 or self.w8a16_batches) and self.min_tokens <= m and (self.max_tokens is None
+                                                                          or m < self.max_tokens)
 
 
-_HOST_GEMM: Optional[HostGemm] = None
+_HOST_GEMMS: tuple[HostGemm, ...] = ()
 
 
-def set_host_gemm(gemm: Optional[HostGemm]) -> None:
-    """Offer (or, with None, withdraw) the host's block-fp8 GEMM for large batches."""
-    global _HOST_GEMM
-    _HOST_GEMM = gemm
+def set_host_gemm(*gemms: Optional[HostGemm]) -> None:
+    """Offer the host's block-fp8 GEMMs (tried in this order); ``set_host_gemm(None)`` or no
+    argument withdraws them all."""
+    global _HOST_GEMMS
+    _HOST_GEMMS = tuple(g for g in gemms if g is not None)
 
 
 def _w8a8(x: torch.Tensor, w8a8_from: Optional[int]) -> bool:
@@ -174,11 +187,13 @@ def _fp8_block_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     dtype = _check(x, weight, weight_scale, block_shape, x_scale, bias, out_dtype, out, x_fp8, x_fp8_scale)
     from atom.ops.fp8_gemm_triton import fp8_block_gemm_fwd
 
-    host, w8a8 = _HOST_GEMM, _w8a8(x, w8a8_from)
-    if host is not None and w8a8 and x_scale is None and out is None and x.shape[0] >= host.min_tokens:
-        y = host.fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)
-        if y is not None:
-            return y
+    w8a8 = _w8a8(x, w8a8_from)
+    if x_scale is None and out is None and x.dtype != FP8_DTYPE and w8a8_from is not None:
+        for host in _HOST_GEMMS:
+            if host.serves(x.shape[0], w8a8):
+                y = host.fn(x, weight, weight_scale, block_shape, bias, x_fp8, x_fp8_scale)
+                if y is not None:
+                    return y
     if w8a8:
         x, x_scale = ((x_fp8, x_fp8_scale) if x_fp8 is not None
                       else per_block_quant_fp8.run("triton", x, int(block_shape[1])))
@@ -192,8 +207,8 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
                            force: bool = False) -> int:
     """Compile, before the first request, every kernel variant :func:`fp8_block_gemm` launches for
     this weight shape (one per batch-size bucket, W8A16 below ``w8a8_from`` tokens and W8A8 from
-    it), and the host GEMM's own variants where it has a warm-up (:class:`HostGemm`) and W8A8 is
-    on (the host GEMM serves only W8A8 batches); once per
+    it), and the host GEMMs' own variants where they have a warm-up (:class:`HostGemm`) and W8A8 is
+    on (no host GEMM serves a layer that asked for W8A16 only); once per
     process and shape. Returns the launches made: 0 when the op would not run Triton on the
     weight's device unless ``force`` (tests, under the Triton interpreter)."""
     key = (tuple(weight.shape), tuple(weight_scale.shape), tuple(int(b) for b in block_shape), act_dtype,
@@ -204,7 +219,7 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
 
     block = (int(block_shape[0]), int(block_shape[1]))
     launches = warm_up(weight, weight_scale, block, act_dtype, w8a8_from, has_bias)
-    host = _HOST_GEMM
-    if host is not None and host.warm_up is not None and w8a8_from is not None:
-        launches += host.warm_up(weight, weight_scale, block, act_dtype)
+    for host in _HOST_GEMMS if w8a8_from is not None else ():
+        if host.warm_up is not None:
+            launches += host.warm_up(weight, weight_scale, block, act_dtype)
     return launches

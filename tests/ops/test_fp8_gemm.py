@@ -255,6 +255,38 @@ def test_host_gemm_serves_only_batches_the_op_would_quantise():
     torch.testing.assert_close(below, fp8_block_gemm.reference(x[:19], w, s, (64, 64)), atol=1e-3, rtol=1e-3)
 
 
+def test_small_batch_host_gemm_takes_float_batches_in_its_range():
+    """A host GEMM that quantises float activations itself (vLLM's plugin: FlashInfer's swap-AB
+    kernel) serves the batches of its row range below the layer's W8A8 threshold too, tried in the
+    order offered; past its range the next host GEMM or atom's kernel runs; a layer that asked for
+    W8A16 only (``w8a8_from`` None) never reaches it."""
+    from atom.ops.fp8_gemm import HostGemm, set_host_gemm
+
+    w, s = _weights(64, 128, (64, 64))
+    calls = []
+
+    def fake(tag, value):
+        def fn(x, weight, *rest):
+            calls.append((tag, x.shape[0]))
+            return torch.full((x.shape[0], weight.shape[0]), value, dtype=x.dtype, device=x.device)
+        return fn
+
+    x = torch.randn(20, 128, device=DEVICE)
+    set_host_gemm(HostGemm(fake("small", 5.0), 2, "small", max_tokens=8, w8a16_batches=True),
+                  HostGemm(fake("large", 7.0), 12, "large"))
+    try:
+        got = {m: _triton(x[:m], w, s, (64, 64), w8a8_from=10) for m in (1, 2, 7, 8, 11, 12)}
+        a16 = _triton(x[:4], w, s, (64, 64))
+    finally:
+        set_host_gemm(None)
+    assert calls == [("small", 2), ("small", 7), ("large", 12)]
+    assert (got[2] == 5).all() and (got[7] == 5).all() and (got[12] == 7).all()
+    for m in (1, 8, 11):  # atom's W8A16 (1, 8) and W8A8 (11) kernels
+        torch.testing.assert_close(got[m], fp8_block_gemm.reference(x[:m], w, s, (64, 64), w8a8_from=10),
+                                   atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(a16, fp8_block_gemm.reference(x[:4], w, s, (64, 64)), atol=1e-3, rtol=1e-3)
+
+
 def test_host_gemm_warm_up_runs_with_the_layers_warm_up():
     """A host GEMM's warm-up (DeepGEMM compiles per shape just in time) runs inside atom's
     per-shape warm-up where W8A8 is on, once per shape, and its launches are counted; a W8A16
@@ -330,6 +362,51 @@ def test_gpu_vllm_deepgemm_host_gemm_matches_atoms_w8a8_on_the_same_numbers(m, m
         _check_host_gemm(host.deepgemm_block_gemm(), m, own_atol=0.005, fed_near_exact=False)
     finally:
         set_host_gemm(None)
+        host.install.cache_clear()
+
+
+@pytest.mark.gpu
+def test_gpu_vllm_flashinfer_small_batch_host_gemm_matches_reference(monkeypatch):
+    """FlashInfer's swap-AB block-fp8 GEMM as atom's plugin calls it (bf16 activations, the
+    checkpoint's float32 tile scales, partial last row block): installed for 2-16 tokens ahead of
+    DeepGEMM where vLLM says it runs; the op's product at 2 / 5 / 16 tokens is the kernel's called
+    directly and within fp8 activation noise of the exact product; one token, and a weight of 4096
+    rows or fewer, stay on atom's kernel (the dequantised layer's numbers); its warm-up makes one
+    call per batch size it serves."""
+    pytest.importorskip("vllm")
+    from vllm.utils.flashinfer import is_flashinfer_fp8_blockscale_gemm_supported
+
+    if not is_flashinfer_fp8_blockscale_gemm_supported():
+        pytest.skip("vLLM says FlashInfer's block-scale fp8 GEMM does not run here")
+    from atom.ops import fp8_gemm as op
+    from atom.plugin.vllm import fp8_gemm as host
+
+    monkeypatch.delenv("ATOM_FP8_HOST_GEMM_SMALL", raising=False)
+    monkeypatch.delenv("ATOM_FP8_HOST_GEMM_MIN_TOKENS", raising=False)
+    host.install.cache_clear()
+    host.install()
+    try:
+        small = op._HOST_GEMMS[0]
+        assert (small.name, small.min_tokens, small.w8a16_batches) == (host.FLASHINFER, 2, True)
+        n, k = 4160, 2048  # 32.5 row blocks
+        w, s = _weights(n, k, (128, 128))
+        assert small.warm_up(w, s, (128, 128), torch.bfloat16) == small.max_tokens - 2
+        direct = host.flashinfer_block_gemm()
+        exact = dequant_block_fp8(w, s, (128, 128)).t()
+        bias = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+        for m in (2, 5, 16):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            want = x.float() @ exact + bias.float()
+            got = _triton(x, w, s, (128, 128), bias=bias, w8a8_from=17)
+            assert torch.equal(got, direct(x, w, s, (128, 128), bias))
+            assert (got.float() - want).abs().max() <= 0.08 * want.abs().max()
+        x1 = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        torch.testing.assert_close(_triton(x1, w, s, (128, 128), w8a8_from=17).float(), x1.float() @ exact,
+                                   atol=0.02, rtol=0.02)
+        wn, sn = _weights(4096, k, (128, 128))
+        assert direct(x1.expand(4, k).contiguous(), wn, sn, (128, 128), None) is None
+    finally:
+        op.set_host_gemm(None)
         host.install.cache_clear()
 
 

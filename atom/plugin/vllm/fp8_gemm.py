@@ -1,4 +1,4 @@
-"""vLLM's block-fp8 GEMMs (DeepGEMM, CUTLASS), offered to :func:`atom.ops.fp8_block_gemm` for larger batches.
+"""vLLM's block-fp8 GEMMs (DeepGEMM, CUTLASS; FlashInfer's for small batches), offered to :func:`atom.ops.fp8_block_gemm`.
 
 atom's Triton kernel streams the fp8 weights as fast as vLLM's kernels at decode sizes (W8A16,
 up to 16 tokens per step), but its tensor-core path is slower than vLLM's from there up on the
@@ -20,8 +20,19 @@ there is one, else vLLM's ``per_token_group_quant_fp8``. Shapes a kernel does no
 other than 128 x 128, DeepGEMM N off 64 or K off 128, CUTLASS dims off 128, non-bf16/fp16
 activations) stay on atom's kernel. DeepGEMM compiles its kernels just in time, so its
 variants for every weight shape are compiled when the layer warms up (the batch sizes vLLM's own
-DeepGEMM warm-up uses, ``VLLM_DEEP_GEMM_WARMUP``), not inside a served batch. Installed once per
-process, when vLLM's loader reaches the first atom fp8 layer.
+DeepGEMM warm-up uses, ``VLLM_DEEP_GEMM_WARMUP``), not inside a served batch.
+
+Small batches (2 tokens up to the larger-batch GEMM's first size): where vLLM says FlashInfer's
+block-scale GEMM runs (Hopper), ``ATOM_FP8_HOST_GEMM_SMALL`` (auto) hands them to FlashInfer's
+swap-AB kernel, the one stock vLLM runs below 32 tokens with FlashInfer installed, on weights of
+more than ``FLASHINFER_MIN_ROWS`` output rows, where the kernel table measured it faster than
+atom's W8A16 kernel (bench/NOTES.md entry 31). It is called as stock calls it (bf16 activations,
+which the kernel quantises per 1 x 128 group itself), on the checkpoint's float32 tile scales
+(stock's are E8M0-requantised). One token stays on atom's GEMV, the narrower weights on atom's
+kernel. Its per-shape variants are compiled just in time, so the layer's warm-up calls it once
+per batch size it serves.
+
+Installed once per process, when vLLM's loader reaches the first atom fp8 layer.
 """
 
 from __future__ import annotations
@@ -39,6 +50,17 @@ logger = get_logger("atom.plugin")
 
 CUTLASS = "vLLM CUTLASS cutlass_scaled_mm (block fp8)"
 DEEPGEMM = "vLLM DeepGEMM fp8_gemm_nt (block fp8)"
+FLASHINFER = "vLLM FlashInfer fp8_blockscale_gemm_sm90 (block fp8, swap-AB)"
+#: FlashInfer's swap-AB kernel serves weights of more than this many output rows: on the H100
+#: (bench/results/h100_2026-11-27c/fp8_gemm.json, M = 2 and 8) it took 0.81-0.97x atom's W8A16
+#: time above 4096 rows, 0.98-1.03x at 4096, 1.14-1.30x on the 2048 / 2112-row weights.
+FLASHINFER_MIN_ROWS = 4097
+#: the first batch size FlashInfer's kernel serves (one token: atom's GEMV, faster on 5 of the 6
+#: shapes of bench/NOTES.md entry 25)
+FLASHINFER_MIN_TOKENS = 2
+#: FlashInfer's op runs its swap-AB kernel below this many tokens, its other kernel from it, which
+#: vLLM does not call (lower accuracy on DeepSeek-V3.1, vLLM's ``dynamic_flashinfer_deepgemm_blockscale_gemm``)
+FLASHINFER_MAX_TOKENS = 32
 
 
 def _block_gemm(accepts: Callable[..., bool], quantise: Callable[..., Any],
@@ -127,6 +149,38 @@ def deepgemm_block_gemm() -> Optional[Callable[..., Any]]:
     return _block_gemm(lambda n, k, dtype: not (n % 64 or k % 128) and dtype == torch.bfloat16, quantise, matmul)
 
 
+def flashinfer_block_gemm() -> Optional[Callable[..., Any]]:
+    """FlashInfer's swap-AB block-fp8 GEMM (through vLLM's wrapper) as atom's small-batch host
+    GEMM, or None (reason logged once) where vLLM says it does not run."""
+    import torch
+
+    if not nvidia_gpu():
+        return None
+    try:
+        from vllm.utils.flashinfer import flashinfer_fp8_blockscale_gemm, is_flashinfer_fp8_blockscale_gemm_supported
+    except ImportError as e:
+        warn_once("fp8-host-flashinfer", f"vLLM's FlashInfer block-fp8 GEMM wrapper not found ({e}); atom's "
+                                         "Triton fp8 GEMM serves small batches", logger)
+        return None
+    if not is_flashinfer_fp8_blockscale_gemm_supported():
+        info_once("fp8-host-flashinfer", "vLLM says FlashInfer's block-scale fp8 GEMM does not run here (no "
+                                         "flashinfer, not SM 9.0, or VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0); "
+                                         "atom's Triton fp8 GEMM serves small batches", logger)
+        return None
+
+    def gemm(x: Any, weight: Any, weight_scale: Any, block: Any, bias: Any,
+             x_fp8: Any = None, x_fp8_scale: Any = None) -> Any:
+        n, k = weight.shape
+        if (tuple(int(b) for b in block) != (128, 128) or n < FLASHINFER_MIN_ROWS or n % 64 or k % 128
+                or x.dtype != torch.bfloat16 or not (x.is_contiguous() and weight.is_contiguous())
+                or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()):
+            return None
+        y = flashinfer_fp8_blockscale_gemm(input=x, weight=weight, weight_scale=weight_scale, out_dtype=x.dtype)
+        return y if bias is None else y + bias
+
+    return gemm
+
+
 def deepgemm_warm_up_sizes(n: int, device: Any, min_tokens: int) -> list[int]:
     """The batch sizes (>= ``min_tokens``) at which to compile DeepGEMM's variants for an N-row
     weight: those vLLM's own DeepGEMM warm-up uses (``VLLM_DEEP_GEMM_WARMUP``: ``relax`` its
@@ -158,22 +212,25 @@ def deepgemm_warm_up_sizes(n: int, device: Any, min_tokens: int) -> list[int]:
     return sorted(m for m in sizes | {max_tokens} if min_tokens <= m <= max_tokens)
 
 
-def deepgemm_warm_up(gemm: Callable[..., Any], min_tokens: int) -> Callable[..., int]:
-    """A :class:`HostGemm` warm-up: DeepGEMM's just-in-time compiles for one weight, now."""
+def warm_up_at(gemm: Callable[..., Any], sizes: Callable[[int, Any], list[int]]) -> Callable[..., int]:
+    """A :class:`HostGemm` warm-up: the kernel's just-in-time compiles for one weight, now, one
+    call per batch size ``sizes(n, device)``."""
     import torch
 
     def warm_up(weight: torch.Tensor, weight_scale: torch.Tensor, block_shape: Any, act_dtype: torch.dtype) -> int:
         n, k = weight.shape
-        sizes = deepgemm_warm_up_sizes(n, weight.device, min_tokens)
-        if not sizes:
+        ms = sizes(n, weight.device)
+        if not ms:
             return 0
-        x = torch.zeros(sizes[-1], k, dtype=act_dtype, device=weight.device)
-        launches = 0
-        for m in sizes:
-            launches += gemm(x[:m], weight, weight_scale, block_shape, None) is not None
-        return launches
+        x = torch.zeros(max(ms), k, dtype=act_dtype, device=weight.device)
+        return sum(gemm(x[:m], weight, weight_scale, block_shape, None) is not None for m in ms)
 
     return warm_up
+
+
+def deepgemm_warm_up(gemm: Callable[..., Any], min_tokens: int) -> Callable[..., int]:
+    """DeepGEMM's warm-up: the batch sizes of :func:`deepgemm_warm_up_sizes`."""
+    return warm_up_at(gemm, lambda n, device: deepgemm_warm_up_sizes(n, device, min_tokens))
 
 
 class Kernel(NamedTuple):
@@ -194,12 +251,42 @@ KERNELS = {"deepgemm": Kernel(DEEPGEMM, deepgemm_block_gemm, 17, deepgemm_warm_u
            "cutlass": Kernel(CUTLASS, cutlass_block_gemm, 128)}
 
 
+def _small_batch_gemm(large_from: Optional[int]) -> Optional[HostGemm]:
+    """FlashInfer's kernel from 2 tokens up to ``large_from`` and below 32 (the sizes where
+    FlashInfer picks its swap-AB kernel, and vLLM calls it), or None (``ATOM_FP8_HOST_GEMM_SMALL``)."""
+    if envs.ATOM_FP8_HOST_GEMM_SMALL == "atom":
+        return None
+    fn = flashinfer_block_gemm()
+    if fn is None:
+        return None
+    top = min(large_from if large_from is not None else FLASHINFER_MAX_TOKENS, FLASHINFER_MAX_TOKENS)
+    if top <= FLASHINFER_MIN_TOKENS:
+        return None
+    sizes = list(range(FLASHINFER_MIN_TOKENS, top))
+    return HostGemm(fn, FLASHINFER_MIN_TOKENS, FLASHINFER, warm_up_at(fn, lambda n, device: sizes), max_tokens=top,
+                    w8a16_batches=True)
+
+
 @functools.lru_cache(maxsize=None)
 def install() -> Optional[str]:
-    """Offer vLLM's kernel to atom's op (once per process); returns its name, or None."""
+    """Offer vLLM's kernels to atom's op (once per process): the larger-batch GEMM
+    (``ATOM_FP8_HOST_GEMM``) and the small-batch one (``ATOM_FP8_HOST_GEMM_SMALL``). Returns the
+    larger-batch kernel's name, or None."""
+    large = _large_batch_gemm()
+    small = _small_batch_gemm(large.min_tokens if large is not None else None)
+    set_host_gemm(small, large)
+    if small is not None:
+        info_once("fp8-host-gemm-small", f"block-fp8 linears: {small.name} for {small.min_tokens}-"
+                                         f"{small.max_tokens - 1} tokens per step on weights of more than "
+                                         f"{FLASHINFER_MIN_ROWS - 1} rows", logger)
+    return None if large is None else large.name
+
+
+def _large_batch_gemm() -> Optional[HostGemm]:
+    """The larger-batch GEMM (``ATOM_FP8_HOST_GEMM`` from ``ATOM_FP8_HOST_GEMM_MIN_TOKENS``), or None."""
     min_tokens = envs.ATOM_FP8_HOST_GEMM_MIN_TOKENS
     if min_tokens == 0:
-        info_once("fp8-host-gemm", "ATOM_FP8_HOST_GEMM_MIN_TOKENS=0: atom's Triton fp8 GEMM serves every batch size",
+        info_once("fp8-host-gemm", "ATOM_FP8_HOST_GEMM_MIN_TOKENS=0: atom's Triton fp8 GEMM serves larger batches",
                   logger)
         return None
     choice = envs.ATOM_FP8_HOST_GEMM
@@ -209,10 +296,8 @@ def install() -> Optional[str]:
             break
     else:
         return None
-    name = kernel.name
     if min_tokens is None:
         min_tokens = kernel.auto_min_tokens
-    set_host_gemm(HostGemm(fn, min_tokens, name, kernel.warm_up and kernel.warm_up(fn, min_tokens)))
     info_once("fp8-host-gemm", f"block-fp8 linears: atom's Triton GEMM below {min_tokens} tokens per step, "
-                               f"{name} from {min_tokens}", logger)
-    return name
+                               f"{kernel.name} from {min_tokens}", logger)
+    return HostGemm(fn, min_tokens, kernel.name, kernel.warm_up and kernel.warm_up(fn, min_tokens))

@@ -50,7 +50,7 @@ class AtomMoEPostLoad(QuantizeMethodBase):
         if getattr(layer, "quant", None) is not None and getattr(layer.quant, "block", None) is not None:
             from atom.plugin.vllm.fp8_gemm import install
 
-            install()  # vLLM's CUTLASS block-fp8 GEMM for large batches, before the layer warms up
+            install()  # vLLM's block-fp8 GEMMs (small and larger batches), before the layer warms up
         layer.process_weights_after_loading()
 
 
