@@ -341,7 +341,7 @@ VARIABLES: dict[str, EnvVar] = {
             "larger-batch GEMM's first size (ATOM_FP8_HOST_GEMM_MIN_TOKENS): `flashinfer` = "
             "FlashInfer's swap-AB block-fp8 GEMM (the kernel stock vLLM runs for these sizes with "
             "FlashInfer installed; it quantises the activations per 128-channel group itself) on "
-            "weights of more than 4096 output rows, atom's Triton kernel on the others and for one "
+            "weights of at least 4096 output rows, atom's Triton kernel on the others and for one "
             "token; `atom` = atom's Triton W8A16 kernel (the dequantised layer's numbers); `auto` "
             "= flashinfer where vLLM says FlashInfer's block-scale GEMM runs (FlashInfer installed, "
             "SM 9.0, VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER not 0), else atom. Nothing changes with "

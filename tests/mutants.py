@@ -277,7 +277,7 @@ MUTANTS = (
            ("tests/ops/test_fp8_gemm.py::test_host_gemm_warm_up_runs_with_the_layers_warm_up",)),
     # FlashInfer's swap-AB kernel for small batches: its rows, batch range and warm-up
     Mutant("fp8-host-flashinfer-any-rows", "atom/plugin/vllm/fp8_gemm.py",
-           "FLASHINFER_MIN_ROWS = 4097", "FLASHINFER_MIN_ROWS = 64", ("tests/plugin/test_fp8_host_gemm.py",)),
+           "FLASHINFER_MIN_ROWS = 4096", "FLASHINFER_MIN_ROWS = 64", ("tests/plugin/test_fp8_host_gemm.py",)),
     Mutant("fp8-host-flashinfer-past-32", "atom/plugin/vllm/fp8_gemm.py",
            "top = min(large_from if large_from is not None else FLASHINFER_MAX_TOKENS, FLASHINFER_MAX_TOKENS)",
            "top = large_from if large_from is not None else FLASHINFER_MAX_TOKENS",

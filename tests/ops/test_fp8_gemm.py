@@ -356,9 +356,10 @@ def test_gpu_vllm_deepgemm_host_gemm_matches_atoms_w8a8_on_the_same_numbers(m, m
     try:
         from atom.ops import fp8_gemm as op
 
-        assert op._HOST_GEMM.min_tokens == 17 and op._HOST_GEMM.warm_up is not None
+        dg_gemm = op._HOST_GEMMS[-1]
+        assert (dg_gemm.name, dg_gemm.min_tokens, dg_gemm.max_tokens) == (host.DEEPGEMM, 17, None)
         w, s = _weights(1024, 2048, (128, 128))
-        assert op._HOST_GEMM.warm_up(w, s, (128, 128), torch.bfloat16) > 0
+        assert dg_gemm.warm_up is not None and dg_gemm.warm_up(w, s, (128, 128), torch.bfloat16) > 0
         _check_host_gemm(host.deepgemm_block_gemm(), m, own_atol=0.005, fed_near_exact=False)
     finally:
         set_host_gemm(None)
@@ -370,8 +371,8 @@ def test_gpu_vllm_flashinfer_small_batch_host_gemm_matches_reference(monkeypatch
     """FlashInfer's swap-AB block-fp8 GEMM as atom's plugin calls it (bf16 activations, the
     checkpoint's float32 tile scales, partial last row block): installed for 2-16 tokens ahead of
     DeepGEMM where vLLM says it runs; the op's product at 2 / 5 / 16 tokens is the kernel's called
-    directly and within fp8 activation noise of the exact product; one token, and a weight of 4096
-    rows or fewer, stay on atom's kernel (the dequantised layer's numbers); its warm-up makes one
+    directly and within fp8 activation noise of the exact product; one token, and a weight of fewer
+    than 4096 rows, stay on atom's kernel (the dequantised layer's numbers); its warm-up makes one
     call per batch size it serves."""
     pytest.importorskip("vllm")
     from vllm.utils.flashinfer import is_flashinfer_fp8_blockscale_gemm_supported
@@ -403,7 +404,7 @@ def test_gpu_vllm_flashinfer_small_batch_host_gemm_matches_reference(monkeypatch
         x1 = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
         torch.testing.assert_close(_triton(x1, w, s, (128, 128), w8a8_from=17).float(), x1.float() @ exact,
                                    atol=0.02, rtol=0.02)
-        wn, sn = _weights(4096, k, (128, 128))
+        wn, sn = _weights(4032, k, (128, 128))
         assert direct(x1.expand(4, k).contiguous(), wn, sn, (128, 128), None) is None
     finally:
         op.set_host_gemm(None)

@@ -173,7 +173,7 @@ def test_flashinfer_warm_up_calls_every_size_it_serves(kernels):
 
 def test_flashinfer_gemm_takes_only_the_shapes_it_wins_on(monkeypatch):
     """The function atom calls (vLLM's FlashInfer wrapper stood in for: the kernel itself is
-    compared with the exact product on the GPU) declines weights of 4096 rows or fewer, blocks
+    compared with the exact product on the GPU) declines weights of fewer than 4096 rows, blocks
     other than 128 x 128, N off 64 / K off 128, non-bf16 activations and non-float32 scales; it
     passes the checkpoint's scales as they are and adds the bias after."""
     import torch
@@ -195,9 +195,11 @@ def test_flashinfer_gemm_takes_only_the_shapes_it_wins_on(monkeypatch):
         s = torch.ones(-(-n // 128), -(-k // 128), dtype=scale_dtype)
         return gemm(torch.ones(3, k, dtype=dtype), w, s, block, bias)
 
-    assert call(4096, 1024) is None and call(2112, 7168) is None
+    assert call(4032, 1024) is None and call(2112, 7168) is None
     assert call(4160, 1024, block=(64, 128)) is None and call(4160, 1000) is None and call(4100, 1024) is None
     assert call(4160, 1024, dtype=torch.float16) is None and call(4160, 1024, scale_dtype=torch.bfloat16) is None
     assert seen == []
+    assert call(4096, 1024) is not None and len(seen) == 1
+    seen.clear()
     y = call(4160, 1024, bias=torch.full((4160,), 2.0, dtype=torch.bfloat16))
     assert seen == [((3, 1024), (4160, 1024), torch.float32, torch.bfloat16)] and (y == 3).all()

@@ -25,7 +25,7 @@ DeepGEMM warm-up uses, ``VLLM_DEEP_GEMM_WARMUP``), not inside a served batch.
 Small batches (2 tokens up to the larger-batch GEMM's first size): where vLLM says FlashInfer's
 block-scale GEMM runs (Hopper), ``ATOM_FP8_HOST_GEMM_SMALL`` (auto) hands them to FlashInfer's
 swap-AB kernel, the one stock vLLM runs below 32 tokens with FlashInfer installed, on weights of
-more than ``FLASHINFER_MIN_ROWS`` output rows, where the kernel table measured it faster than
+at least ``FLASHINFER_MIN_ROWS`` output rows, where the kernel table measured it faster than
 atom's W8A16 kernel (bench/NOTES.md entry 31). It is called as stock calls it (bf16 activations,
 which the kernel quantises per 1 x 128 group itself), on the checkpoint's float32 tile scales
 (stock's are E8M0-requantised). One token stays on atom's GEMV, the narrower weights on atom's
@@ -51,10 +51,11 @@ logger = get_logger("atom.plugin")
 CUTLASS = "vLLM CUTLASS cutlass_scaled_mm (block fp8)"
 DEEPGEMM = "vLLM DeepGEMM fp8_gemm_nt (block fp8)"
 FLASHINFER = "vLLM FlashInfer fp8_blockscale_gemm_sm90 (block fp8, swap-AB)"
-#: FlashInfer's swap-AB kernel serves weights of more than this many output rows: on the H100
-#: (bench/results/h100_2026-11-27c/fp8_gemm.json, M = 2 and 8) it took 0.81-0.97x atom's W8A16
-#: time above 4096 rows, 0.98-1.03x at 4096, 1.14-1.30x on the 2048 / 2112-row weights.
-FLASHINFER_MIN_ROWS = 4097
+#: FlashInfer's swap-AB kernel serves weights of at least this many output rows. At M = 2-16 it took
+#: 0.81-0.97x atom's W8A16 time above 4096 rows on the H100 (bench/results/h100_2026-11-27c/) and
+#: 0.62-0.83x on the H200 (bench/results/gpu_2026-11-27h/); at 4096 rows 0.98-1.03x on the H100 and
+#: 0.90-0.94x on the H200; on the 2048 / 2112-row weights 1.14-1.30x (H100) and 1.14-1.24x (H200).
+FLASHINFER_MIN_ROWS = 4096
 #: the first batch size FlashInfer's kernel serves (one token: atom's GEMV, faster on 5 of the 6
 #: shapes of bench/NOTES.md entry 25)
 FLASHINFER_MIN_TOKENS = 2
@@ -277,8 +278,8 @@ def install() -> Optional[str]:
     set_host_gemm(small, large)
     if small is not None:
         info_once("fp8-host-gemm-small", f"block-fp8 linears: {small.name} for {small.min_tokens}-"
-                                         f"{small.max_tokens - 1} tokens per step on weights of more than "
-                                         f"{FLASHINFER_MIN_ROWS - 1} rows", logger)
+                                         f"{small.max_tokens - 1} tokens per step on weights of at least "
+                                         f"{FLASHINFER_MIN_ROWS} rows", logger)
     return None if large is None else large.name
 
 
