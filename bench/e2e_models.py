@@ -79,11 +79,14 @@ SMOKE_KINDS = {"dense": "qwen3", "moe": "qwen3_moe", "mla": "deepseek_v3", "llam
 
 
 def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int, init_std: float,
-                router_skew: float = 0.0, block_fp8: Optional[tuple[int, int]] = None) -> dict:
+                router_skew: float = 0.0, block_fp8: Optional[tuple[int, int]] = None, weights: bool = True) -> dict:
     """A random-weight bf16 checkpoint of model ``name`` in ``out`` (skipped when present);
     ``router_skew`` > 0: MoE routers with Zipf-like expert popularity (:func:`router_row_scales`).
     For MoE models the info records the skew and the load it gives (``router_load``).
-    ``block_fp8``: the projections written in block fp8 as drawn (:func:`write_random_checkpoint`)."""
+    ``block_fp8``: the projections written in block fp8 as drawn (:func:`write_random_checkpoint`).
+    ``weights=False``: the config and tokenizer only, for vLLM's ``load_format="dummy"`` (vLLM draws
+    every weight itself, uniform in +-1e-3, so routing is about uniform): full-depth models of any
+    size with no disk and no build time."""
     info_path = out / "e2e_model.json"
     if info_path.exists() and (out / "tokenizer.json").exists():
         return json.loads(info_path.read_text())
@@ -104,16 +107,17 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
     cfg = getattr(transformers, cls_name)(**{
         "max_position_embeddings": 8192, **kwargs, "vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 0,
         "pad_token_id": 0, "tie_word_embeddings": False, "initializer_range": init_std, "torch_dtype": "bfloat16"})
-    params = write_random_checkpoint(cfg, out, init_std, router_skew=router_skew, block_fp8=block_fp8)
+    params = (write_random_checkpoint(cfg, out, init_std, router_skew=router_skew, block_fp8=block_fp8) if weights
+              else write_config(cfg, out, block_fp8))
     if name == "mla":  # transformers 5 drops these; vLLM needs them for the correction bias
         c = json.loads((out / "config.json").read_text())
         c.update(topk_method="noaux_tc", scoring_func="sigmoid")
         (out / "config.json").write_text(json.dumps(c, indent=2))
     top_k = getattr(cfg, "num_experts_per_tok", None)
-    if top_k:
+    if top_k and weights:
         kwargs.update(router_skew=router_skew, router_load=router_load(_first_router(out), top_k))
     info = {"name": name, "layers": layers, "vocab": vocab, "params": params, "init_std": init_std,
-            "block_fp8": list(block_fp8) if block_fp8 else None,
+            "block_fp8": list(block_fp8) if block_fp8 else None, "weights": "random" if weights else "dummy",
             "config": {k: v for k, v in kwargs.items() if not isinstance(v, list)}, "build_s": round(time.time() - t0, 1)}
     info_path.write_text(json.dumps(info, indent=1))
     return info
@@ -247,12 +251,33 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
         index.update({n: fname for n in names})
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": nbytes_all}, "weight_map": index}, indent=1))
+    _save_config(cfg, out, block_fp8)
+    return total
+
+
+def write_config(cfg: Any, out: Path, block_fp8: Optional[tuple[int, int]] = None) -> int:
+    """``config.json`` of HF config ``cfg`` as :func:`write_random_checkpoint` writes it (its
+    architecture, ``quantization_config`` with ``block_fp8``), no weights; returns the parameter
+    count (of the model built on the meta device)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    cfg.architectures = [type(model).__name__]
+    total = sum(p.numel() for p in model.state_dict().values())
+    del model
+    out.mkdir(parents=True, exist_ok=True)
+    _save_config(cfg, out, block_fp8)
+    return total
+
+
+def _save_config(cfg: Any, out: Path, block_fp8: Optional[tuple[int, int]]) -> None:
     cfg.save_pretrained(out)
     if block_fp8 is not None:
         c = json.loads((out / "config.json").read_text())
         c["quantization_config"] = fp8_quantization_config(block_fp8)
         (out / "config.json").write_text(json.dumps(c, indent=2))
-    return total
 
 
 def fp8_quantization_config(block: tuple[int, int]) -> dict:

@@ -249,3 +249,21 @@ def test_block_fp8_written_as_drawn_equals_the_quantised_bf16_checkpoint(e2e, na
     assert set(index) == set(got) and len(set(index.values())) > 1
     assert params == e2e.write_random_checkpoint(cfg(), tmp_path / "again", 0.05)
     assert not list(direct.glob("part-*"))
+
+
+def test_build_model_without_weights_writes_the_config_vllm_reads_for_dummy_loading(e2e, tmp_path, monkeypatch):
+    """``weights=False`` (the ab step's AB_DUMMY, vLLM's load_format "dummy"): the same config.json as
+    the full build (architecture, depth, the fp8 quantization_config), a tokenizer, no tensor
+    files, and the parameter count of the model it describes."""
+    import json
+
+    cls_name, kwargs, layers = e2e.MODELS["moe"]
+    monkeypatch.setitem(e2e.MODELS, "moe", (cls_name, {**kwargs, **TINY["moe"], "num_experts_per_tok": 2}, layers))
+    monkeypatch.setattr(e2e, "transformers_sources", lambda max_chars: ["def f(x):\n    return x + 1\n" * 200])
+    full = e2e.build_model("moe", 3, tmp_path / "full", 512, 64, 0.02, block_fp8=(32, 32))
+    bare = e2e.build_model("moe", 3, tmp_path / "bare", 512, 64, 0.02, block_fp8=(32, 32), weights=False)
+    assert json.loads((tmp_path / "bare" / "config.json").read_text()) == \
+        json.loads((tmp_path / "full" / "config.json").read_text())
+    assert not list((tmp_path / "bare").glob("*.safetensors*")) and (tmp_path / "bare" / "tokenizer.json").exists()
+    assert bare["params"] == full["params"] and (bare["weights"], full["weights"]) == ("dummy", "random")
+    assert "router_load" not in bare["config"] and "router_load" in full["config"]
