@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from e2e_common import log
 
@@ -79,10 +79,14 @@ SMOKE_KINDS = {"dense": "qwen3", "moe": "qwen3_moe", "mla": "deepseek_v3", "llam
 
 
 def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int, init_std: float,
-                router_skew: float = 0.0) -> dict:
+                router_skew: float = 0.0, block_fp8: Optional[tuple[int, int]] = None, weights: bool = True) -> dict:
     """A random-weight bf16 checkpoint of model ``name`` in ``out`` (skipped when present);
     ``router_skew`` > 0: MoE routers with Zipf-like expert popularity (:func:`router_row_scales`).
-    For MoE models the info records the skew and the load it gives (``router_load``)."""
+    For MoE models the info records the skew and the load it gives (``router_load``).
+    ``block_fp8``: the projections written in block fp8 as drawn (:func:`write_random_checkpoint`).
+    ``weights=False``: the config and tokenizer only, for vLLM's ``load_format="dummy"`` (vLLM draws
+    every weight itself, uniform in +-1e-3, so routing is about uniform): full-depth models of any
+    size with no disk and no build time."""
     info_path = out / "e2e_model.json"
     if info_path.exists() and (out / "tokenizer.json").exists():
         return json.loads(info_path.read_text())
@@ -103,15 +107,17 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
     cfg = getattr(transformers, cls_name)(**{
         "max_position_embeddings": 8192, **kwargs, "vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 0,
         "pad_token_id": 0, "tie_word_embeddings": False, "initializer_range": init_std, "torch_dtype": "bfloat16"})
-    params = write_random_checkpoint(cfg, out, init_std, router_skew=router_skew)
+    params = (write_random_checkpoint(cfg, out, init_std, router_skew=router_skew, block_fp8=block_fp8) if weights
+              else write_config(cfg, out, block_fp8))
     if name == "mla":  # transformers 5 drops these; vLLM needs them for the correction bias
         c = json.loads((out / "config.json").read_text())
         c.update(topk_method="noaux_tc", scoring_func="sigmoid")
         (out / "config.json").write_text(json.dumps(c, indent=2))
     top_k = getattr(cfg, "num_experts_per_tok", None)
-    if top_k:
+    if top_k and weights:
         kwargs.update(router_skew=router_skew, router_load=router_load(_first_router(out), top_k))
     info = {"name": name, "layers": layers, "vocab": vocab, "params": params, "init_std": init_std,
+            "block_fp8": list(block_fp8) if block_fp8 else None, "weights": "random" if weights else "dummy",
             "config": {k: v for k, v in kwargs.items() if not isinstance(v, list)}, "build_s": round(time.time() - t0, 1)}
     info_path.write_text(json.dumps(info, indent=1))
     return info
@@ -178,18 +184,25 @@ def _first_router(folder: Path) -> Any:
 
 
 def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: int = 4 << 30,
-                            seed: int = 0, router_skew: float = 0.0) -> int:
+                            seed: int = 0, router_skew: float = 0.0,
+                            block_fp8: Optional[tuple[int, int]] = None) -> int:
     """Save a random bf16 checkpoint of HF config ``cfg`` in ``out`` without materialising the
     HF model: parameter names and shapes come from a model built on the meta device; matrices
     are N(0, init_std) (drawn on the GPU when there is one: a 36-layer 8B model takes seconds,
     not the minutes of HF's own init), 1-D parameters HF's init (:func:`_one_d_init`); MoE routers'
     rows scaled by :func:`router_row_scales` when ``router_skew`` is set; sinks N(0, 1).
-    Written as ``model-0000i-of-0000n.safetensors`` shards + index, as ``save_pretrained`` does
-    (its tensor names and layout: :func:`checkpoint_shapes`), with ``config.json``. Returns the
-    parameter count."""
+    ``block_fp8`` (e.g. ``(128, 128)``): every projection is written as it is drawn in HF's
+    block-fp8 format instead (``weight`` float8_e4m3fn + ``weight_scale_inv``, the tensors
+    :func:`quantize_block_fp8` would make of the bf16 checkpoint, with ``quantization_config`` in
+    ``config.json``), so a model whose bf16 copy would not fit the disk next to its fp8 one is
+    built in one pass. Written shard by shard (``model-0000i-of-0000n.safetensors`` + index, as
+    ``save_pretrained`` does; its tensor names and layout: :func:`checkpoint_shapes`), holding one
+    shard in memory, with ``config.json``. Returns the parameter count (of the bf16 model)."""
     import torch
     import transformers
     from safetensors.torch import save_file
+
+    from atom.testing.tiny_models import _is_quantized, quantize_fp8
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -198,8 +211,16 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
     del model
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(seed)
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
+    out.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, Any] = {}
+    parts: list[list[str]] = []
+    size = total = nbytes_all = 0
+
+    def flush() -> None:
+        save_file(shard, str(out / f"part-{len(parts):05d}.safetensors"), metadata={"format": "pt"})
+        parts.append(list(shard))
+        shard.clear()
+
     for name, shape in shapes.items():
         if len(shape) >= 2:
             t = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, init_std, generator=gen)
@@ -209,23 +230,59 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
             t = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, 1.0, generator=gen)
         else:
             t = torch.full(shape, _one_d_init(name), dtype=torch.bfloat16, device=dev)
-        nbytes = t.numel() * 2
+        total += t.numel()
+        tensors = {name: t}
+        if block_fp8 is not None and t.dim() == 2 and _is_quantized(name, []):
+            q, scale = quantize_fp8(t, list(block_fp8))
+            tensors = {name: q, name.removesuffix(".weight") + ".weight_scale_inv": scale}
+        nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
         if size and size + nbytes > shard_bytes:
-            shards.append({})
+            flush()
             size = 0
-        shards[-1][name] = t.cpu()
+        shard.update({k: v.cpu() for k, v in tensors.items()})
         size += nbytes
-    out.mkdir(parents=True, exist_ok=True)
+        nbytes_all += nbytes
+    if shard:
+        flush()
     index: dict[str, str] = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        index.update({n: fname for n in shard})
-    total = sum(t.numel() for shard in shards for t in shard.values())
+    for i, names in enumerate(parts):
+        fname = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        (out / f"part-{i:05d}.safetensors").rename(out / fname)
+        index.update({n: fname for n in names})
     (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total * 2}, "weight_map": index}, indent=1))
-    cfg.save_pretrained(out)
+        {"metadata": {"total_size": nbytes_all}, "weight_map": index}, indent=1))
+    _save_config(cfg, out, block_fp8)
     return total
+
+
+def write_config(cfg: Any, out: Path, block_fp8: Optional[tuple[int, int]] = None) -> int:
+    """``config.json`` of HF config ``cfg`` as :func:`write_random_checkpoint` writes it (its
+    architecture, ``quantization_config`` with ``block_fp8``), no weights; returns the parameter
+    count (of the model built on the meta device)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    cfg.architectures = [type(model).__name__]
+    total = sum(p.numel() for p in model.state_dict().values())
+    del model
+    out.mkdir(parents=True, exist_ok=True)
+    _save_config(cfg, out, block_fp8)
+    return total
+
+
+def _save_config(cfg: Any, out: Path, block_fp8: Optional[tuple[int, int]]) -> None:
+    cfg.save_pretrained(out)
+    if block_fp8 is not None:
+        c = json.loads((out / "config.json").read_text())
+        c["quantization_config"] = fp8_quantization_config(block_fp8)
+        (out / "config.json").write_text(json.dumps(c, indent=2))
+
+
+def fp8_quantization_config(block: tuple[int, int]) -> dict:
+    """HF's block-fp8 ``quantization_config`` (Qwen3-FP8 / DeepSeek-V3's)."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
 
 
 #: model_type -> (the MoE block's name in the checkpoint, its experts' gate / up / down names)
@@ -287,8 +344,7 @@ def quantize_block_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-             "weight_block_size": list(block)}
+    quant = fp8_quantization_config(block)
     index = {}
     for f in sorted(src.iterdir()):
         if f.suffix != ".safetensors":

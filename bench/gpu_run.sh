@@ -49,8 +49,11 @@
 #            atom (the wheel in .stage/tools, installed into /tmp/atom-new) and, when
 #            .stage/tools/old holds a wheel, old (installed into /tmp/atom-old): a before/after
 #            check of one atom change. Each side has its own compile cache. AB_FP8=1: the checkpoint
-#            converted to 128x128 block fp8 first (bench/e2e_models.py quantize_block_fp8; the bf16 source is
-#            then deleted; other models' checkpoints go first when under 40 GiB are free). AB_ROUNDS=0: start the sides and stop (fills the
+#            written in 128x128 block fp8 as its weights are drawn (bench/e2e_models.py build_model block_fp8;
+#            no bf16 copy on disk, so Qwen3-30B-A3B dims at all 48 layers fit; other models' checkpoints go
+#            first when under 40 GiB are free). AB_DUMMY=1: no weights on disk, the config and tokenizer only, and
+#            every side loads with load_format "dummy" (vLLM draws the weights, uniform in +-1e-3: about uniform
+#            routing); label and folder suffixed -dummy. For full-depth models whose checkpoint would not fit the disk. AB_ROUNDS=0: start the sides and stop (fills the
 #            JIT caches when a cold start and the measurement do not fit one command). AB_ENGINE: JSON engine
 #            arguments for every side (e.g. {"max_num_batched_tokens": 8192}: no change to a 128/128 cell's
 #            steps up to C=64, half of stock's DeepGEMM warm-up shapes). AB_ROUTER_SKEW (MoE models, default 0:
@@ -183,19 +186,19 @@ for step in "$@"; do
                 ls $src/atom_vllm-*.whl >/dev/null 2>&1 && [ ! -d /tmp/atom-$w ] && \
                     python3 -m pip install -q --no-index --no-deps --target /tmp/atom-$w $src/atom_vllm-*.whl 2>&1 | tail -1
             done
-            # disk (64 GiB): other models' checkpoints go when under 40 GiB are free; an fp8 copy's bf16
-            # source goes once converted
+            # disk (64 GiB): other models' checkpoints go when under 40 GiB are free
             if [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt 40 ]; then
                 for c in /tmp/atom-e2e-models/*; do case "$c" in "$d"|"$d-fp8") ;; *) rm -rf "$c" ;; esac; done
             fi
-            [ "${AB_FP8:-0}" = 1 ] && [ -f "$d-fp8/config.json" ] || \
-            python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from e2e_models import build_model; \
-                print(build_model('${AB_MODEL:-dense}', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02, $skew))" 2>&1 | tail -1
-            if [ "${AB_FP8:-0}" = 1 ]; then
-                python3 -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path; from e2e_models import quantize_block_fp8; \
-                    print(quantize_block_fp8(Path('$d'), Path('$d-fp8')))" 2>&1 | tail -1
-                rm -rf "$d"; d="$d-fp8"; m="$m-fp8"; fp8_atom=",ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1"
+            fp8=""  # AB_FP8=1: the projections written in 128x128 block fp8 as drawn (no bf16 copy on disk)
+            [ "${AB_FP8:-0}" = 1 ] && { d="$d-fp8"; m="$m-fp8"; fp8=", block_fp8=(128, 128)"; fp8_atom=",ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1"; }
+            engine="${AB_ENGINE:-{\}}"  # AB_DUMMY=1: config only, vLLM draws the weights (load_format dummy)
+            if [ "${AB_DUMMY:-0}" = 1 ]; then
+                d="$d-dummy"; m="$m-dummy"; fp8="$fp8, weights=False"
+                engine=$(python3 -c "import json, sys; e = json.loads(sys.argv[1]); e['load_format'] = 'dummy'; print(json.dumps(e))" "$engine")
             fi
+            python3 -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path; from e2e_models import build_model; \
+                print(build_model('${AB_MODEL:-dense}', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02, $skew$fp8))" 2>&1 | tail -1
             sides=(--side "stock:ATOM_DISABLE_VLLM_PLUGIN=1,PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-stock"
                    --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom${fp8_atom:-}")
             [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")
@@ -210,7 +213,7 @@ for step in "$@"; do
             timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m-L$l" "${sides[@]}" \
                 --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" \
                 --window "${AB_WINDOW:-15}" --warmup "${AB_WARMUP:-5}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
-                --engine "${AB_ENGINE:-{\}}" \
+                --engine "$engine" \
                 --json "$OUT/ab_$m.json" > "$OUT/ab_$m.txt" 2>&1
             for f in /tmp/ab-logs-$m/*.log; do  # each side's errors, kernel choices and start-up stages (flat copies)
                 grep -E "ERROR|Error|Traceback|atom\]|Selected|[Uu]sing|warmup|Model loading|took|Compil|CUDA graph" "$f" \

@@ -206,3 +206,64 @@ def test_build_model_smoke_of_each_new_architecture(e2e, name, tmp_path, monkeyp
     if name != "llama":
         top_k = {**kwargs, **TINY[name]}["num_experts_per_tok"]
         assert info["config"]["router_load"] == e2e.router_load(e2e._first_router(out), top_k)
+
+
+@pytest.mark.parametrize("name", ["moe", "mla"])
+def test_block_fp8_written_as_drawn_equals_the_quantised_bf16_checkpoint(e2e, name, tmp_path):
+    """``block_fp8`` (the ab step's AB_FP8 builder, one pass, no bf16 copy on disk) writes the same
+    tensors, bit for bit, and the same quantization_config as drawing the bf16 checkpoint and
+    converting it (quantize_block_fp8), sharded and indexed; routers, norms and embeddings stay
+    bf16; the shard size counts the fp8 bytes."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    cls_name, kwargs, _ = e2e.MODELS[name]
+    cfg = lambda: getattr(transformers, cls_name)(**{**kwargs, **TINY[name], "num_hidden_layers": 2,  # noqa: E731
+                                                     "vocab_size": 128, "tie_word_embeddings": False})
+    bf16, conv, direct = tmp_path / "bf16", tmp_path / "conv", tmp_path / "direct"
+    e2e.write_random_checkpoint(cfg(), bf16, 0.05, shard_bytes=64 << 10, router_skew=0.3)
+    quant = e2e.quantize_block_fp8(bf16, conv, (32, 32))
+    params = e2e.write_random_checkpoint(cfg(), direct, 0.05, shard_bytes=64 << 10, router_skew=0.3,
+                                         block_fp8=(32, 32))
+
+    def tensors(folder):
+        out = {}
+        for f in folder.glob("*.safetensors"):
+            out.update(load_file(str(f)))
+        return out
+
+    want, got = tensors(conv), tensors(direct)
+    assert set(got) == set(want) and any(k.endswith("weight_scale_inv") for k in got)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8) if t.dtype == torch.float8_e4m3fn
+                                                       else got[k], t.view(torch.uint8)
+                                                       if t.dtype == torch.float8_e4m3fn else t), k
+        if ".layers." in k and k.endswith(".weight") and "_proj" in k.removesuffix(".weight").rpartition(".")[2]:
+            assert t.dtype == torch.float8_e4m3fn, k
+        elif k.endswith(".weight") and "scale" not in k:
+            assert t.dtype == torch.bfloat16, k
+    assert json.loads((direct / "config.json").read_text())["quantization_config"] == quant
+    index = json.loads((direct / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(got) and len(set(index.values())) > 1
+    assert params == e2e.write_random_checkpoint(cfg(), tmp_path / "again", 0.05)
+    assert not list(direct.glob("part-*"))
+
+
+def test_build_model_without_weights_writes_the_config_vllm_reads_for_dummy_loading(e2e, tmp_path, monkeypatch):
+    """``weights=False`` (the ab step's AB_DUMMY, vLLM's load_format "dummy"): the same config.json as
+    the full build (architecture, depth, the fp8 quantization_config), a tokenizer, no tensor
+    files, and the parameter count of the model it describes."""
+    import json
+
+    cls_name, kwargs, layers = e2e.MODELS["moe"]
+    monkeypatch.setitem(e2e.MODELS, "moe", (cls_name, {**kwargs, **TINY["moe"], "num_experts_per_tok": 2}, layers))
+    monkeypatch.setattr(e2e, "transformers_sources", lambda max_chars: ["def f(x):\n    return x + 1\n" * 200])
+    full = e2e.build_model("moe", 3, tmp_path / "full", 512, 64, 0.02, block_fp8=(32, 32))
+    bare = e2e.build_model("moe", 3, tmp_path / "bare", 512, 64, 0.02, block_fp8=(32, 32), weights=False)
+    assert json.loads((tmp_path / "bare" / "config.json").read_text()) == \
+        json.loads((tmp_path / "full" / "config.json").read_text())
+    assert not list((tmp_path / "bare").glob("*.safetensors*")) and (tmp_path / "bare" / "tokenizer.json").exists()
+    assert bare["params"] == full["params"] and (bare["weights"], full["weights"]) == ("dummy", "random")
+    assert "router_load" not in bare["config"] and "router_load" in full["config"]
