@@ -85,7 +85,35 @@ RECORDS: list[dict[str, Any]] = [
     # batch 1, H200: three launches in two commands, pooled
     {"path": "bench/results/gpu_2026-11-27d/gemv_h200/ab_dense_L36_c1_a.json"},
     {"path": "bench/results/gpu_2026-11-27d/gemv_h200/ab_dense_L36_c1_b.json"},
+    # Full depth against stock (2026-11-27h, H200): Qwen3-8B dims, all 36 layers, C=1 and C=64, three
+    # launches in two commands (launches 2-3's C=64 record rebuilt from the command's text output,
+    # bench/results/gpu_2026-11-27h/rebuild_c64.py: the device tool did not return that file)
+    {"path": "bench/results/gpu_2026-11-27h/ab_dense_L36_launch1_c1.json"},
+    {"path": "bench/results/gpu_2026-11-27h/ab_dense_L36_launch2-3_c1.json"},
+    {"path": "bench/results/gpu_2026-11-27h/ab_dense_L36_launch1_c64.json"},
+    {"path": "bench/results/gpu_2026-11-27h/ab_dense_L36_launch2-3_c64.json"},
+    # Qwen3-30B-A3B dims, all 48 layers, bf16, vLLM's dummy weights (no checkpoint on disk), H200:
+    # one launch so far (2026-11-27i)
+    {"path": "bench/results/gpu_2026-11-27i/ab_moe-dummy_L48_launch1_c1.json"},
+    {"path": "bench/results/gpu_2026-11-27i/ab_moe-dummy_L48_launch1_c128.json"},
 ]
+
+
+#: The protocol's launches per side for a verdict that counts; below it the verdict says so, and a
+#: ratio within +-SINGLE_RUN_TIE of 1 is a tie whatever its interval (the interval of one or two
+#: launches does not hold the launch-to-launch spread).
+MIN_LAUNCHES = 3
+SINGLE_RUN_TIE = 0.10
+
+
+def cell_verdict(point: float, low: float, high: float, launches: int) -> str:
+    """The table's verdict: bench/ab.py's (win when the interval's low end is above 1, loss when its
+    high end is below 1) from MIN_LAUNCHES launches per side; with fewer, suffixed
+    ``(< 3 launches)``, and a tie when the ratio is within SINGLE_RUN_TIE of 1."""
+    if launches >= MIN_LAUNCHES:
+        return verdict(low, high)
+    short = "tie" if abs(point - 1.0) <= SINGLE_RUN_TIE else verdict(low, high)
+    return f"{short} (< {MIN_LAUNCHES} launches)"
 
 
 def _cell(rec: dict) -> str:
@@ -126,6 +154,7 @@ def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dic
                              f"{[e['path'] for _, e in members]}")
         gpu, versions, _ = facts[0]
         windows = {n: [t for rec, _ in members for t in rec["sides"][n]["tok_s"]] for n in names}
+        launches = sum(rec.get("launches_per_side", 1) for rec, _ in members)
         sides = {}
         for n in names:
             last = members[-1][0]["sides"][n]
@@ -140,19 +169,21 @@ def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dic
             if n != ref:
                 point, low, high = bootstrap_ratio(windows[n], windows[ref])
                 side.update(ratio=round(point, 4), ratio_ci_low=round(low, 4), ratio_ci_high=round(high, 4),
-                            verdict=verdict(low, high))
+                            verdict=cell_verdict(point, low, high, launches))
             sides[n] = side
         cells.append({
             "model": label, "cell": cell, "reference": ref, "gpu": gpu, "versions": versions,
             "dates": sorted(rec["date"] for rec, _ in members),
-            "launches_per_side": sum(rec.get("launches_per_side", 1) for rec, _ in members),
+            "launches_per_side": launches,
             "window_s_min": min(rec["window_s"] for rec, _ in members),
             "assumed_fields": sorted({f for _, _, s in facts for f in s}),
             "sources": [entry["path"] for _, entry in members],
             "sides": sides,
         })
     return {"protocol": "bench/ab.py: sides alive at once on one GPU, interleaved windows, ratio of medians "
-                        "with a bootstrap 95% interval; win only when the low end is above 1",
+                        "with a bootstrap 95% interval; win only when the low end is above 1; with fewer than "
+                        f"{MIN_LAUNCHES} launches per side the verdict says so, and a ratio within "
+                        f"{SINGLE_RUN_TIE:.0%} of 1 is a tie",
             "cells": cells}
 
 

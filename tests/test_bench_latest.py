@@ -28,7 +28,8 @@ def test_every_cell_says_what_the_protocol_asks_for():
             assert side["model_class"] and side["attention_impls"] and "throttled_windows" in side
             if name != cell["reference"]:
                 assert side["ratio_ci_low"] <= side["ratio"] <= side["ratio_ci_high"]
-                assert side["verdict"] == latest.verdict(side["ratio_ci_low"], side["ratio_ci_high"])
+                assert side["verdict"] == latest.cell_verdict(side["ratio"], side["ratio_ci_low"], side["ratio_ci_high"],
+                                                              cell["launches_per_side"])
 
 
 def _record(tok_stock, tok_atom, date, **extra):
@@ -49,7 +50,8 @@ def test_runs_of_one_cell_pool_their_windows_and_missing_facts_come_from_the_ent
     (cell,) = out["cells"]
     assert cell["launches_per_side"] == 2 and cell["sides"]["atom"]["windows"] == 6
     assert cell["sides"]["stock"]["median_tok_s"] == 100.0 and cell["sides"]["atom"]["median_tok_s"] == 111.0
-    assert cell["sides"]["atom"]["ratio"] == pytest.approx(1.11) and cell["sides"]["atom"]["verdict"] == "win"
+    assert cell["sides"]["atom"]["ratio"] == pytest.approx(1.11)
+    assert cell["sides"]["atom"]["verdict"] == "win (< 3 launches)"
     assert cell["gpu"] == "G" and cell["assumed_fields"] == ["gpu", "versions"]
     assert "| m | 8/8@2 | atom | 111 | 1.11x [" in latest.render(out)
 
@@ -59,3 +61,14 @@ def test_records_of_different_versions_are_not_pooled(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps({**_record([1, 1], [1, 1], "d", versions={"vllm": "0.32.0"}), "gpu": "G"}))
     with pytest.raises(ValueError, match="cannot be pooled"):
         latest.build([{"path": "a.json"}, {"path": "b.json"}], root=tmp_path)
+
+
+@pytest.mark.parametrize("point,low,high,launches,want", [
+    (1.04, 1.03, 1.05, 3, "win"), (1.04, 1.03, 1.05, 1, "tie (< 3 launches)"),
+    (1.15, 1.14, 1.16, 1, "win (< 3 launches)"), (0.85, 0.84, 0.86, 2, "loss (< 3 launches)"),
+    (1.15, 0.95, 1.30, 2, "tie (< 3 launches)"), (0.95, 0.90, 0.99, 4, "loss"), (1.2, 0.9, 1.4, 3, "tie"),
+])
+def test_a_verdict_from_fewer_than_3_launches_says_so_and_ties_within_10_percent(point, low, high, launches, want):
+    """The protocol counts a verdict from 3 launches per side; the interval of one or two launches
+    holds no launch-to-launch spread, so such a cell's verdict says so, and within +-10 % it is a tie."""
+    assert latest.cell_verdict(point, low, high, launches) == want
