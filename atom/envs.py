@@ -338,14 +338,14 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "ATOM_FP8_HOST_GEMM_SMALL", "choice", "auto",
             "Block-scaled fp8 linears under vLLM on Hopper GPUs, batches of 2 tokens up to the "
-            "larger-batch GEMM's first size (ATOM_FP8_HOST_GEMM_MIN_TOKENS): `flashinfer` = "
+            "larger-batch GEMM's first size (ATOM_FP8_HOST_GEMM_MIN_TOKENS) and below 32: `flashinfer` = "
             "FlashInfer's swap-AB block-fp8 GEMM (the kernel stock vLLM runs for these sizes with "
             "FlashInfer installed; it quantises the activations per 128-channel group itself) on "
             "weights of at least 4096 output rows, atom's Triton kernel on the others and for one "
             "token; `atom` = atom's Triton W8A16 kernel (the dequantised layer's numbers); `auto` "
             "= flashinfer where vLLM says FlashInfer's block-scale GEMM runs (FlashInfer installed, "
-            "SM 9.0, VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER not 0), else atom. Nothing changes with "
-            "ATOM_FP8_W8A8_MIN_TOKENS=0 (W8A16 always).",
+            "SM 9.0, VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER not 0), else atom (`flashinfer` where it does "
+            "not run: atom, with a warning). Nothing changes with ATOM_FP8_W8A8_MIN_TOKENS=0 (W8A16 always).",
             _choice(*FP8_HOST_GEMMS_SMALL), ", ".join(FP8_HOST_GEMMS_SMALL),
         ),
         EnvVar(

@@ -141,10 +141,22 @@ def test_flashinfer_stops_below_32_tokens(kernels, monkeypatch):
     assert host.install() is None and _installed() is None and _small()[1] == (2, 32)
 
 
-def test_small_batch_kernel_can_be_turned_off_or_absent(kernels, monkeypatch):
+def test_small_batch_kernel_can_be_turned_off_or_absent(kernels, monkeypatch, caplog):
+    """Absent, atom's kernel serves small batches (a warning only when FlashInfer was asked for by
+    name); ATOM_FP8_HOST_GEMM_SMALL=atom turns it off where it runs."""
+    import logging
+
+    from atom import _logging
+
     kernels.update({"deepgemm"})
     host.install()
     assert _small() is None and _installed()[0] == host.DEEPGEMM
+    monkeypatch.setenv("ATOM_FP8_HOST_GEMM_SMALL", "flashinfer")
+    monkeypatch.setattr(_logging, "_warned", set())
+    host.install.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        host.install()
+    assert _small() is None and "ATOM_FP8_HOST_GEMM_SMALL=flashinfer" in caplog.text
     kernels.add("flashinfer")
     host.install.cache_clear()
     monkeypatch.setenv("ATOM_FP8_HOST_GEMM_SMALL", "atom")

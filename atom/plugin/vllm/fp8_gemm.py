@@ -259,6 +259,10 @@ def _small_batch_gemm(large_from: Optional[int]) -> Optional[HostGemm]:
         return None
     fn = flashinfer_block_gemm()
     if fn is None:
+        if envs.ATOM_FP8_HOST_GEMM_SMALL == "flashinfer":
+            warn_once("fp8-host-flashinfer-asked", "ATOM_FP8_HOST_GEMM_SMALL=flashinfer, but FlashInfer's block-fp8 "
+                                                   "GEMM does not run here; atom's Triton fp8 GEMM serves small "
+                                                   "batches", logger)
         return None
     top = min(large_from if large_from is not None else FLASHINFER_MAX_TOKENS, FLASHINFER_MAX_TOKENS)
     if top <= FLASHINFER_MIN_TOKENS:
