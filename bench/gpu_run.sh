@@ -64,7 +64,7 @@
 #            start only those sides (AB_SWITCH_SIDE's name included), e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
 #            MoE; the sides start one after another). AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side, atom's
-#            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0). -> $OUT/ab_<model>[_c<C>].json, .txt
+#            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0). -> $OUT/ab_<model>[_c<C>].json, .txt, .logs.txt
 #   archs    issue #17: the architectures atom serves that had not run on a GPU, each of ARCHS (default
 #            llama,mixtral; also glm4moe, gptoss: bench/e2e_models.py, random bf16 weights at Llama-3.1-8B,
 #            Mixtral-8x7B, GLM-4.5-Air, GPT-OSS-20B dims, 4 / 2 / 3 / 4 layers; AB_MODEL takes these names too)
@@ -77,7 +77,7 @@
 #            (/tmp/vcache-stock, -atom) with the cell's engine settings, so the cell's engines start warm.
 #            ARCHS_PARTS (agree,ab): one part, e.g. ARCHS_PARTS=ab on the warm machine for a cell that did
 #            not fit. -> $OUT/archs/<arch>_agree.{json,txt}, <arch>_agree_{stock,atom}.log.txt,
-#            ab_<arch>.{json,txt}, ab_<arch>.{stock,atom}.log.txt
+#            ab_<arch>.{json,txt}, ab_<arch>.logs.txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 #   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
@@ -210,14 +210,17 @@ for step in "$@"; do
                     case ",$AB_SIDES," in *",${sides[i]%%:*},"*) keep+=(--side "${sides[i]}") ;; esac; done
                 sides=("${keep[@]}")
             fi
+            rm -rf "/tmp/ab-logs-$m"  # this command's launches only
             timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m-L$l" "${sides[@]}" \
                 --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" \
                 --window "${AB_WINDOW:-15}" --warmup "${AB_WARMUP:-5}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
                 --engine "$engine" \
                 --json "$OUT/ab_$m.json" > "$OUT/ab_$m.txt" 2>&1
-            for f in /tmp/ab-logs-$m/*.log; do  # each side's errors, kernel choices and start-up stages (flat copies)
+            # each side's and launch's errors, kernel choices and start-up stages, in one file (the device
+            # returns at most 8 files per call: a cell's JSON each, the text, and this)
+            for f in /tmp/ab-logs-$m/*.log; do echo "=== $(basename "$f")"
                 grep -E "ERROR|Error|Traceback|atom\]|Selected|[Uu]sing|warmup|Model loading|took|Compil|CUDA graph" "$f" \
-                    | tail -150 > "$OUT/ab_$m.$(basename "$f" .log).log.txt"; done
+                    | tail -150; done > "$OUT/ab_$m.logs.txt"
             tail -12 "$OUT/ab_$m.txt" ;;
         archs) mkdir -p "$OUT/archs"; t_archs=$(date +%s); n=0
             conc="${ARCHS_CONC:-32}"; lens="${ARCHS_LENGTHS:-128/128}"; archs="${ARCHS:-llama,mixtral}"
