@@ -276,9 +276,11 @@ VARIABLES: dict[str, EnvVar] = {
             "ATOM_FP8_W8A8_MIN_TOKENS", "int", "17",
             "Block-scaled fp8 linears (weights stay fp8) on GPUs: from this many tokens per step, "
             "quantise activations per token and 128-channel group and run the fp8 x fp8 GEMM (W8A8, "
-            "vLLM's block-fp8 GEMM from ATOM_FP8_HOST_GEMM_MIN_TOKENS); below, and always when 0, "
-            "keep activations in bf16 (W8A16: the dequantised layer's numbers, half the weight "
-            "bytes; vLLM's GEMM is not called). On CPU W8A16 always unless this is set.",
+            "vLLM's block-fp8 GEMM from ATOM_FP8_HOST_GEMM_MIN_TOKENS); below, keep activations in "
+            "bf16 (W8A16: the dequantised layer's numbers, half the weight bytes), except the 2-16 "
+            "token batches ATOM_FP8_HOST_GEMM_SMALL hands to FlashInfer's kernel (which quantises "
+            "them, as stock's does); when 0, W8A16 always and no vLLM GEMM is called. On CPU W8A16 "
+            "always unless this is set.",
             _parse_nonneg_int, "an integer >= 0",
         ),
         EnvVar(
