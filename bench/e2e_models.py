@@ -204,11 +204,7 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
 
     from atom.testing.tiny_models import _is_quantized, quantize_fp8
 
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    shapes = checkpoint_shapes({n: tuple(p.shape) for n, p in model.state_dict().items()}, cfg.model_type)
-    cfg.architectures = [type(model).__name__]  # as save_pretrained records it (vLLM reads it)
-    del model
+    shapes = checkpoint_shapes(_model_shapes(cfg), cfg.model_type)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=dev).manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,18 +254,25 @@ def write_random_checkpoint(cfg: Any, out: Path, init_std: float, shard_bytes: i
 def write_config(cfg: Any, out: Path, block_fp8: Optional[tuple[int, int]] = None) -> int:
     """``config.json`` of HF config ``cfg`` as :func:`write_random_checkpoint` writes it (its
     architecture, ``quantization_config`` with ``block_fp8``), no weights; returns the parameter
-    count (of the model built on the meta device)."""
+    count."""
+    import math
+
+    total = sum(math.prod(shape) for shape in _model_shapes(cfg).values())
+    out.mkdir(parents=True, exist_ok=True)
+    _save_config(cfg, out, block_fp8)
+    return total
+
+
+def _model_shapes(cfg: Any) -> dict[str, tuple]:
+    """The state dict's shapes of the HF model ``cfg`` describes (built on the meta device), and
+    ``cfg.architectures`` set as ``save_pretrained`` records it (vLLM reads it)."""
     import torch
     import transformers
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     cfg.architectures = [type(model).__name__]
-    total = sum(p.numel() for p in model.state_dict().values())
-    del model
-    out.mkdir(parents=True, exist_ok=True)
-    _save_config(cfg, out, block_fp8)
-    return total
+    return {n: tuple(p.shape) for n, p in model.state_dict().items()}
 
 
 def _save_config(cfg: Any, out: Path, block_fp8: Optional[tuple[int, int]]) -> None:

@@ -143,7 +143,7 @@ def stock_flashinfer_dynamic():
 
 def atom_default():
     """atom's op as its linears call it under vLLM: the GEMV for one token, FlashInfer's swap-AB
-    kernel for 2-16 tokens on weights of more than 4096 rows where vLLM runs it
+    kernel for 2-16 tokens on weights of at least 4096 rows where vLLM runs it
     (``ATOM_FP8_HOST_GEMM_SMALL``), W8A16 Triton below 17 tokens otherwise, then the host GEMM the
     plugin installs (``ATOM_FP8_HOST_GEMM``, DeepGEMM on the H100), W8A8 Triton where it declines."""
     from atom.ops import fp8_block_gemm

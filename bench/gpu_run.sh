@@ -190,15 +190,15 @@ for step in "$@"; do
             if [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt 40 ]; then
                 for c in /tmp/atom-e2e-models/*; do case "$c" in "$d"|"$d-fp8") ;; *) rm -rf "$c" ;; esac; done
             fi
-            fp8=""  # AB_FP8=1: the projections written in 128x128 block fp8 as drawn (no bf16 copy on disk)
-            [ "${AB_FP8:-0}" = 1 ] && { d="$d-fp8"; m="$m-fp8"; fp8=", block_fp8=(128, 128)"; fp8_atom=",ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1"; }
+            build=""  # build_model keywords. AB_FP8=1: the projections written in 128x128 block fp8 as drawn
+            [ "${AB_FP8:-0}" = 1 ] && { d="$d-fp8"; m="$m-fp8"; build=", block_fp8=(128, 128)"; fp8_atom=",ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1"; }
             engine="${AB_ENGINE:-{\}}"  # AB_DUMMY=1: config only, vLLM draws the weights (load_format dummy)
             if [ "${AB_DUMMY:-0}" = 1 ]; then
-                d="$d-dummy"; m="$m-dummy"; fp8="$fp8, weights=False"
+                d="$d-dummy"; m="$m-dummy"; build="$build, weights=False"
                 engine=$(python3 -c "import json, sys; e = json.loads(sys.argv[1]); e['load_format'] = 'dummy'; print(json.dumps(e))" "$engine")
             fi
             python3 -c "import sys; sys.path[:0] = ['bench', '.']; from pathlib import Path; from e2e_models import build_model; \
-                print(build_model('${AB_MODEL:-dense}', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02, $skew$fp8))" 2>&1 | tail -1
+                print(build_model('${AB_MODEL:-dense}', $l, Path('$d'), 32000, ${AB_MLA_EXPERTS:-64}, 0.02, $skew$build))" 2>&1 | tail -1
             sides=(--side "stock:ATOM_DISABLE_VLLM_PLUGIN=1,PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-stock"
                    --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom${fp8_atom:-}")
             [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")
