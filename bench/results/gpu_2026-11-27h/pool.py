@@ -57,8 +57,8 @@ def launches(conc: int) -> list[dict]:
     for prefix, first in RECORDS:
         path = HERE / f"{prefix}_c{conc}.json"
         rows = _txt_rows(prefix, conc)
-        if path.exists():
-            rec = json.loads(path.read_text())
+        rec = json.loads(path.read_text()) if path.exists() else None
+        if rec is not None and "reconstructed" not in rec:  # rebuild_c64.py's record comes from the same text
             per, n_l = rec["rounds"], rec["launches_per_side"]
             for s in SIDES:  # the text log's (rounded) windows are the JSON's
                 assert [round(x) for x in rec["sides"][s]["tok_s"]] == [round(r["tok_s"]) for r in rows[s]], (prefix, conc, s)
