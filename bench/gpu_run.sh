@@ -78,7 +78,8 @@
 #            ARCHS_PARTS (agree,ab): one part, e.g. ARCHS_PARTS=ab on the warm machine for a cell that did
 #            not fit. -> $OUT/archs/<arch>_agree.{json,txt}, <arch>_agree_{stock,atom}.log.txt,
 #            ab_<arch>.{json,txt}, ab_<arch>.logs.txt
-#   profile  bench/profile_e2e.py on a checkpoint e2e2 built -> $OUT/profile/ (kernel time by
+#   profile  bench/profile_e2e.py on a checkpoint e2e2 built (or a config-only one with PROFILE_ARGS
+#            "--load-format dummy"; --conc 1,64: one engine a side for both) -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
 #   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
 #            unpacks bench/stage_sglang.py's parts from /tmp/sglang-parts into /tmp/site-sglang once,

@@ -11,6 +11,7 @@ operator self-CPU time is used instead (``--smoke``).
 
     python bench/profile_e2e.py --model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256
     python bench/profile_e2e.py --model DIR --eager            # without CUDA graphs / compile
+    python bench/profile_e2e.py --model DIR --load-format dummy --conc 1,64  # config-only DIR; one engine per side for both
     python bench/profile_e2e.py --smoke                        # CPU: tiny Qwen3, fp32, eager
 
 Kernels replayed inside CUDA graphs are attributed by CUPTI like any other launch; when a build
@@ -42,6 +43,8 @@ CATEGORIES = (
                    r"elementwise|vectorized|quant"),
 )
 _COMPILED = [(name, re.compile(pat, re.I)) for name, pat in CATEGORIES]
+#: the engine log lines that name the kernels a side chose (kept with its results)
+KERNEL_LOG = re.compile(r"Selected|Using .*(backend|kernel|Attention)|\[atom\]|atom .*selected|block-fp8 linears")
 
 
 def category(name: str) -> str:
@@ -51,34 +54,71 @@ def category(name: str) -> str:
     return "other"
 
 
+def concurrencies(args: argparse.Namespace) -> list[int]:
+    """``--conc`` as a list: one engine per side serves every listed concurrency in turn."""
+    return [max(int(c), 1) for c in str(args.conc).split(",")]
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The ``vllm.LLM`` arguments of one side (the same for both)."""
+    kw = dict(model=args.model, dtype=args.dtype, enforce_eager=args.eager, seed=0,
+              max_model_len=args.in_len + args.out_len + 16, max_num_seqs=max(concurrencies(args)))
+    if args.load_format:  # "dummy": a config-only model directory, vLLM draws the weights
+        kw["load_format"] = args.load_format
+    if args.gpu_util:
+        kw["gpu_memory_utilization"] = args.gpu_util
+    return kw
+
+
 def profile_side(args: argparse.Namespace) -> dict:
+    """One engine; per concurrency one untimed pass, then one profiled pass -> ``{conc: result}``."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.eager, seed=0,
-              max_model_len=args.in_len + args.out_len + 16, max_num_seqs=max(args.conc, 1))
+    llm = LLM(**engine_kwargs(args))
     rng = random.Random(0)
     vocab = llm.llm_engine.model_config.get_vocab_size()
-
-    def batch():
-        return [{"prompt_token_ids": [rng.randrange(10, vocab - 32) for _ in range(args.in_len)]}
-                for _ in range(args.conc)]
-
     sp = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
-    llm.generate(batch(), sp, use_tqdm=False)  # warm-up: JIT, autotuning, graph capture
     gpu = torch.cuda.is_available()
+    cells = {}
+    for conc in concurrencies(args):
+        def batch():
+            return [{"prompt_token_ids": [rng.randrange(10, vocab - 32) for _ in range(args.in_len)]}
+                    for _ in range(conc)]
+
+        llm.generate(batch(), sp, use_tqdm=False)  # warm-up: JIT, autotuning, graph capture
+        cells[str(conc)] = profile_pass(args, lambda: llm.generate(batch(), sp, use_tqdm=False), gpu,
+                                        f"{args.side}_c{conc}")
+        cells[str(conc)]["out_tokens"] = conc * args.out_len
+    return cells
+
+
+def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
+    """``run()`` under the torch profiler: kernel (or, on a CPU, operator) time by name and category."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
-        llm.generate(batch(), sp, use_tqdm=False)
+        run()
         if gpu:
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    if args.trace_dir:
-        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(Path(args.trace_dir) / f"{args.side}.json"))
+    busy = span = None
+    if args.trace_dir or gpu:  # on a GPU the trace also gives how busy the GPU was (busy_and_span_us)
+        import tempfile
+
+        trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="atom-profile-"))
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        trace = trace_dir / f"{name}.json"
+        prof.export_chrome_trace(str(trace))
+        if gpu:
+            summary = summarize_trace(trace)
+            busy, span = summary["busy_us"], summary["span_us"]
+        if not args.trace_dir:
+            trace.unlink()
     kernels: dict[str, dict] = {}
     for evt in prof.key_averages():
         if gpu:
@@ -95,8 +135,7 @@ def profile_side(args: argparse.Namespace) -> dict:
                 continue
         kernels[evt.key] = {"us": float(us), "calls": int(evt.count), "category": category(evt.key)}
     return {"side": args.side, "time_kind": "device" if gpu else "self-cpu", "wall_s": round(wall, 3),
-            "categories_us": by_category(kernels), "kernels": kernels,
-            "out_tokens": args.conc * args.out_len}
+            "categories_us": by_category(kernels), "kernels": kernels, "busy_us": busy, "span_us": span}
 
 
 def by_category(kernels: dict[str, dict]) -> dict[str, float]:
@@ -189,9 +228,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--side", default="both", choices=("both", "atom", "stock"))
     ap.add_argument("--in", dest="in_len", type=int, default=128)
     ap.add_argument("--out", dest="out_len", type=int, default=128)
-    ap.add_argument("--conc", type=int, default=32)
+    ap.add_argument("--conc", default="32", help="concurrency, or a comma list served by the same engines")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--load-format", default=None,
+                    help="vLLM load_format for both sides, e.g. dummy for a config-only full-depth model")
+    ap.add_argument("--gpu-util", type=float, default=None, help="gpu_memory_utilization (vLLM's default if unset)")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny Qwen3 (built if needed), fp32, eager, tiny run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-dir", default=None, help="also write chrome traces here")
@@ -205,7 +247,8 @@ def main(argv: list[str]) -> int:
 
         args.model = args.model or str(build("qwen3", "/tmp/atom-e2e-models/tiny-qwen3-fp32", dtype="float32"))
         args.dtype, args.eager = "float32", True
-        args.in_len, args.out_len, args.conc = min(args.in_len, 16), min(args.out_len, 8), min(args.conc, 4)
+        args.in_len, args.out_len = min(args.in_len, 16), min(args.out_len, 8)
+        args.conc = ",".join(str(min(c, 4)) for c in concurrencies(args))
     if not args.model:
         ap.error("--model is required (or --smoke)")
     if args.child_out:
@@ -215,6 +258,7 @@ def main(argv: list[str]) -> int:
     sides = ["stock", "atom"] if args.side == "both" else [args.side]
     results = {}
     work = Path(args.json).parent if args.json else Path("/tmp")
+    work.mkdir(parents=True, exist_ok=True)
     for side in sides:
         out = work / f"profile_{side}.json"
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
@@ -233,9 +277,24 @@ def main(argv: list[str]) -> int:
             print(results[side]["tail"])
             continue
         results[side] = json.loads(out.read_text())
-    print(report(results, args.top), flush=True)
+        log = [ln for ln in (proc.stdout + proc.stderr).splitlines() if KERNEL_LOG.search(ln)]
+        for cell in results[side].values():
+            cell["kernel_log_lines"] = log[-40:]
+    cells: dict[str, dict] = {}
+    for side, r in results.items():
+        for conc in ([c for c in r if c.isdigit()] if "error" not in r else []):
+            cells.setdefault(conc, {})[side] = r[conc]
+    for conc, per_side in cells.items():
+        print(f"\n## {args.in_len}/{args.out_len} at C={conc}\n", flush=True)
+        print(report(per_side, args.top), flush=True)
+    for side, r in results.items():
+        if "error" in r:
+            print(f"{side}: FAILED {r['error']}")
+        else:
+            print(f"\n{side}'s kernel choices (engine log):", *next(iter(r.values()))["kernel_log_lines"], sep="\n  ")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({"cells": cells, "errors": {s: r for s, r in results.items() if "error" in r}},
+                                              indent=1))
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -87,3 +87,18 @@ def test_serve_only_run_on_real_servers(tmp_path):
     assert not (tmp_path / "prof").exists() or not any((tmp_path / "prof").rglob("*.json*"))  # traces removed
     md = json.loads(out.read_text())["markdown"]
     assert "| dense | 16/8 | 2 |" in md and "kernel time of one profiled serving cell" in md
+
+
+def test_profile_engine_arguments_take_dummy_weights_memory_share_and_concurrency_list():
+    import argparse
+
+    profile_e2e = load_bench("profile_e2e")
+    base = dict(model="/m", dtype="bfloat16", eager=False, in_len=128, out_len=128, conc="1,64")
+    kw = profile_e2e.engine_kwargs(argparse.Namespace(**base, load_format=None, gpu_util=None))
+    assert "load_format" not in kw and "gpu_memory_utilization" not in kw and kw["max_num_seqs"] == 64
+    kw = profile_e2e.engine_kwargs(argparse.Namespace(**base, load_format="dummy", gpu_util=0.8))
+    assert kw["load_format"] == "dummy" and kw["gpu_memory_utilization"] == 0.8
+    assert kw["max_model_len"] == 128 + 128 + 16
+    # one engine a side serves every listed concurrency: as many sequences as the largest
+    assert profile_e2e.concurrencies(argparse.Namespace(conc="1,64")) == [1, 64]
+    assert profile_e2e.concurrencies(argparse.Namespace(conc=32)) == [32]
