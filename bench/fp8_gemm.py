@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HBM = 3.35e12
+HBM = 3.35e12  # the H100 SXM's; main() sets the H200's (4.8e12) on an H200
 FP8_PEAK = 989e12
 BF16_PEAK = 495e12
 BLOCK = (128, 128)
@@ -176,6 +176,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gemv-sweep", action="store_true")
     p.add_argument("--gemv-budget", type=float, default=240, help="seconds for --gemv-sweep's M = 1 part")
     p.add_argument("--no-vllm", action="store_true", help="atom's and cuBLAS's sides only")
+    p.add_argument("--bf16-gemv-sweep", action="store_true",
+                   help="the GEMV kernel's variants (stages included) on bf16 weights against cuBLAS, M = 1, on the dense shapes")
+    p.add_argument("--no-table", action="store_true", help="the sweeps only")
     p.add_argument("--ms", default="", help="comma list of M (default %s)" % ",".join(map(str, MS)))
     p.add_argument("--shapes", default="", help="comma list of shape labels (default all)")
     args = p.parse_args(argv)
@@ -183,6 +186,9 @@ def main(argv: list[str]) -> int:
     from atom.ops.fp8_gemm import dequant_block_fp8
 
     dev = torch.device("cuda")
+    global HBM
+    if "H200" in torch.cuda.get_device_name(dev):
+        HBM = 4.8e12
     makers = {}
     factories = () if args.no_vllm else (
         ("atom default", atom_default), ("stock cutlass", stock_cutlass), ("stock deepgemm", stock_deepgemm),
@@ -194,7 +200,7 @@ def main(argv: list[str]) -> int:
             print(f"[fp8_gemm] {name}: unavailable ({type(e).__name__}: {str(e)[:200]})", flush=True)
     rows = []
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
-    for label, n, k in shapes:
+    for label, n, k in [] if args.no_table else shapes:
         copies = max(2, int(200e6 // (n * k)) + 1)
         ws = [(torch.randn(n, k, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(copies)]
         ss = [torch.rand(-(-n // 128), -(-k // 128), device=dev) * 1e-3 + 1e-4 for _ in range(copies)]
@@ -241,9 +247,10 @@ def main(argv: list[str]) -> int:
         torch.cuda.empty_cache()
     sweep = run_sweep(dev) if args.sweep else []
     gemv = run_gemv_sweep(dev, args.gemv_budget) if args.gemv_sweep else []
+    bf16_gemv = run_bf16_gemv_sweep(dev, args.gemv_budget) if args.bf16_gemv_sweep else []
     if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "sweep": sweep,
-                                               "gemv_sweep": gemv}, indent=1))
+        Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": HBM, "rows": rows,
+                                               "sweep": sweep, "gemv_sweep": gemv, "bf16_gemv_sweep": bf16_gemv}, indent=1))
     print(table(rows))
     return 0
 
@@ -385,6 +392,83 @@ def run_gemv_sweep(dev, budget: float) -> list[dict]:
                 rec(label, n, k, 1, "bf16 gemv", cfg, [lambda w=w, cfg=cfg: _gemv(xs[1], w, None, None, None, outs[1], cfg)
                                                        for w in wb], 2 * n * k)
         show(label, 1, "bf16 gemv", ("bf16 cublas",))
+        del wb
+        torch.cuda.empty_cache()
+    return out
+
+
+#: (label, N, K): Qwen3-8B's four decode GEMVs on bf16 weights (the dense batch-1 step, entry 35)
+BF16_GEMV_SHAPES = [("qwen3-8b qkv", 6144, 4096), ("qwen3-8b o", 4096, 4096), ("qwen3-8b gate_up", 24576, 4096),
+                    ("qwen3-8b down", 4096, 12288)]
+
+
+def _bf16_gemv_candidates(n: int, k: int, sms: int) -> list:
+    """GEMV variants on bf16 weights: 4 / 8 warps, 4-16 weight rows, 512-2048 elements a step
+    (1024-2048 per warp's share of the register tile), 1-3 software-pipeline stages; split-K 2 / 4
+    only where the unsplit grid has fewer programs than SMs (and each split keeps >= 2 steps)."""
+    from atom.ops.fp8_gemm_triton import GemmConfig
+
+    out = []
+    for warps in (4, 8):
+        for bn in (4, 8, 16):
+            for bk in (512, 1024, 2048):
+                if not 2048 <= bn * bk <= 2048 * warps:
+                    continue
+                for stages in (1, 2, 3):
+                    for split in (1, 2, 4):
+                        if split == 1 or (-(-n // bn) < sms and -(-k // bk) // split >= 2):
+                            out.append(GemmConfig(1, bn, bk, 1, warps, stages, False, split, gemv=True))
+    return out
+
+
+def run_bf16_gemv_sweep(dev, budget: float) -> list[dict]:
+    """The GEMV kernel's variants on bf16 weights at M = 1 (:data:`BF16_GEMV_SHAPES`), within
+    ``budget`` s split evenly across the shapes, next to cuBLAS and to atom's default
+    (:func:`atom.ops.fp8_gemm_triton.gemv_config`), each with its % of ``HBM``."""
+    import dataclasses
+    import time as _time
+
+    from atom.ops.fp8_gemm_triton import _gemv, gemv_config, num_sms
+
+    sms, out = num_sms(dev), []
+    for si, (label, n, k) in enumerate(BF16_GEMV_SHAPES):
+        t_end = _time.time() + budget / len(BF16_GEMV_SHAPES)
+        wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(max(2, int(300e6 // (2 * n * k)) + 1))]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        ref = (x.float() @ wb[0].float().t())
+
+        def rec(kind, cfg, fns):
+            i = [0]
+
+            def rot():
+                i[0] = (i[0] + 1) % len(fns)
+                return fns[i[0]]()
+            try:
+                got = fns[0]().float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                t = timed(rot, samples=2, min_ms=20)
+            except Exception as e:  # noqa: BLE001
+                print(f"[bf16 gemv] {label} {kind} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                return
+            out.append({"shape": label, "n": n, "k": k, "m": 1, "kind": kind, "us": t * 1e6, "rel_err": err,
+                        "hbm_pct": 100 * 2 * n * k / t / HBM, "cfg": dataclasses.asdict(cfg) if cfg else None})
+
+        rec("bf16 cublas", None, [lambda w=w: torch.mm(x, w.t()) for w in wb])
+        default = gemv_config(1, n, k, None, sms)
+        rec("gemv default", default, [lambda w=w: _gemv(x, w, None, None, None, y, default) for w in wb])
+        for cfg in _bf16_gemv_candidates(n, k, sms):
+            if _time.time() > t_end:
+                print(f"[bf16 gemv] {label}: budget spent", flush=True)
+                break
+            rec("gemv", cfg, [lambda w=w, cfg=cfg: _gemv(x, w, None, None, None, y, cfg) for w in wb])
+        rows = [r for r in out if r["shape"] == label]
+        for r in sorted((r for r in rows if r["kind"] == "gemv"), key=lambda r: r["us"])[:5] + \
+                [r for r in rows if r["kind"] != "gemv"]:
+            c = r["cfg"]
+            cs = f"bn {c['block_n']} bk {c['block_k']} w {c['warps']} st {c['stages']} split {c['split_k']}" if c else ""
+            print(f"[bf16 gemv] {label:<17} {r['kind']:<13} {r['us']:7.1f} us ({r['hbm_pct']:3.0f}% HBM, err {r['rel_err']:.1e}) {cs}",
+                  flush=True)
         del wb
         torch.cuda.empty_cache()
     return out

@@ -37,7 +37,7 @@ CATEGORIES = (
     ("attention", r"flash|fmha|attn|attention|mla|paged|reshape_and_cache|kv_cache|concat_and_cache|"
                   r"decode_.*kernel|prefill|split_kv|latent|_fwd_kernel|unified_attention|sdpa|softmax_lse|combine"),
     ("moe", r"moe|expert|topk|top_k|align_block|grouped|permute|route|atom::fused_moe"),
-    ("gemm", r"gemm|matmul|cutlass|cublas|nvjet|sm90_|sm80_|wgmma|splitk|onednn_mm|aten::mm|aten::addmm|aten::bmm|"
+    ("gemm", r"gemm|gemv|matmul|cutlass|cublas|nvjet|sm90_|sm80_|wgmma|splitk|onednn_mm|aten::mm|aten::addmm|aten::bmm|"
              r"aten::linear|aten::matmul|xmma|ampere_|hopper_"),
     ("norms/rope", r"rms|norm|rope|rotary|silu|act_and_mul|gelu|rsqrt|mean|triton_poi|triton_red|triton_per|"
                    r"elementwise|vectorized|quant"),
@@ -106,7 +106,7 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
         if gpu:
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    busy = span = None
+    busy = span = idle = None
     if args.trace_dir or gpu:  # on a GPU the trace also gives how busy the GPU was (busy_and_span_us)
         import tempfile
 
@@ -116,7 +116,7 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
         prof.export_chrome_trace(str(trace))
         if gpu:
             summary = summarize_trace(trace)
-            busy, span = summary["busy_us"], summary["span_us"]
+            busy, span, idle = summary["busy_us"], summary["span_us"], summary["idle"]
         if not args.trace_dir:
             trace.unlink()
     kernels: dict[str, dict] = {}
@@ -135,7 +135,8 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
                 continue
         kernels[evt.key] = {"us": float(us), "calls": int(evt.count), "category": category(evt.key)}
     return {"side": args.side, "time_kind": "device" if gpu else "self-cpu", "wall_s": round(wall, 3),
-            "categories_us": by_category(kernels), "kernels": kernels, "busy_us": busy, "span_us": span}
+            "categories_us": by_category(kernels), "kernels": kernels, "busy_us": busy, "span_us": span,
+            "idle": idle}
 
 
 def by_category(kernels: dict[str, dict]) -> dict[str, float]:
@@ -168,7 +169,87 @@ def summarize_trace(path: Path) -> dict:
         k["calls"] += 1
     busy, span = busy_and_span_us(kernels) if kind == "device" else (None, None)
     return {"time_kind": kind, "categories_us": by_category(by_name), "kernels": by_name, "events": len(kernels),
-            "busy_us": busy, "span_us": span}
+            "busy_us": busy, "span_us": span, "idle": idle_report(events) if kind == "device" else None}
+
+
+#: a kernel vLLM's model runner launches once per step, first: it splits a trace into steps
+STEP_MARKER = "_compute_slot_mappings_kernel"
+#: GPU activity in a torch-profiler trace
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_report(events: list[dict], marker: str = STEP_MARKER, min_gap_us: float = 20.0, top: int = 8) -> dict:
+    """Where the GPU waited, from a chrome trace's events: per engine step (a step starts at each
+    ``marker`` kernel) its span, busy and idle time; the first step (the prefill of a fresh batch)
+    apart from the median of the others; the gaps of at least ``min_gap_us`` grouped by the kernels
+    on either side (``before -> after``, names cut at 40 characters); and the host operators running
+    during those gaps (``cpu_op`` / ``python_function`` / ``cuda_runtime`` events, their overlap
+    with the gaps summed per name)."""
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in _GPU_CATS),
+                 key=lambda e: float(e.get("ts", 0.0)))
+    if not gpu:
+        return {}
+    # merged busy intervals, each remembering the kernel that ends it
+    merged: list[list] = []  # [start, end, name of the last-ending kernel, name of the first kernel]
+    for e in gpu:
+        a, b = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        if merged and a <= merged[-1][1]:
+            if b > merged[-1][1]:
+                merged[-1][1], merged[-1][2] = b, e["name"]
+        else:
+            merged.append([a, b, e["name"], e["name"]])
+    gaps = [(merged[i][1], merged[i + 1][0], merged[i][2], merged[i + 1][3]) for i in range(len(merged) - 1)]
+    starts = [float(e["ts"]) for e in gpu if e["name"] == marker]
+    steps = []
+    bounds = starts + [merged[-1][1]]
+    for a, b in zip(bounds, bounds[1:]):
+        idle = sum(max(0.0, min(g1, b) - max(g0, a)) for g0, g1, _, _ in gaps)
+        steps.append({"span_us": b - a, "idle_us": idle})
+    big = [g for g in gaps if g[1] - g[0] >= min_gap_us]
+    pairs: dict[str, list] = {}
+    for g0, g1, before, after in big:
+        p = pairs.setdefault(f"{before[:40]} -> {after[:40]}", [0.0, 0])
+        p[0] += g1 - g0
+        p[1] += 1
+    host: dict[str, float] = {}
+    cpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "cuda_runtime")]
+    for e in cpu:
+        a, b = float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0))
+        ov = sum(max(0.0, min(g1, b) - max(g0, a)) for g0, g1, _, _ in big if g0 < b and a < g1)
+        if ov:
+            host[e["name"][:80]] = host.get(e["name"][:80], 0.0) + ov
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else None
+
+    rest = steps[1:]
+    return {
+        "steps": len(steps),
+        "first_step": steps[0] if steps else None,
+        "other_steps_median": {"span_us": median([x["span_us"] for x in rest]),
+                               "idle_us": median([x["idle_us"] for x in rest])} if rest else None,
+        "before_first_step_idle_us": sum(g1 - g0 for g0, g1, _, _ in gaps if starts and g1 <= starts[0]),
+        "idle_us": sum(g1 - g0 for g0, g1, _, _ in gaps),
+        "gaps": {"min_us": min_gap_us, "count": len(big), "total_us": sum(g1 - g0 for g0, g1, _, _ in big),
+                 "by_neighbours": sorted(([k, round(v[0], 1), v[1]] for k, v in pairs.items()), key=lambda x: -x[1])[:top],
+                 "host_during": sorted(([k, round(v, 1)] for k, v in host.items()), key=lambda x: -x[1])[:top]},
+    }
+
+
+def format_idle(side: str, r: dict) -> list[str]:
+    """Text lines of :func:`idle_report`'s record of one side."""
+    if not r:
+        return []
+    first, rest, g = r["first_step"] or {}, r["other_steps_median"] or {}, r["gaps"]
+    lines = [f"{side}: GPU idle {r['idle_us'] / 1000:.1f} ms over {r['steps']} steps"
+             f" ({r['before_first_step_idle_us'] / 1000:.1f} ms before the first step);"
+             f" first step {first.get('span_us', 0) / 1000:.2f} ms, idle {first.get('idle_us', 0) / 1000:.2f} ms;"
+             f" other steps (median) {(rest.get('span_us') or 0) / 1000:.3f} ms, idle {(rest.get('idle_us') or 0) / 1000:.3f} ms",
+             f"  gaps >= {g['min_us']:.0f} us: {g['count']}, {g['total_us'] / 1000:.1f} ms; by the kernels either side:"]
+    lines += [f"    {us / 1000:8.2f} ms {n:6d}x  {k}" for k, us, n in g["by_neighbours"]]
+    lines += ["  host work during those gaps:"] + [f"    {us / 1000:8.2f} ms  {k}" for k, us in g["host_during"]]
+    return lines
 
 
 def busy_and_span_us(events: list[dict]) -> tuple[float, float]:
@@ -212,6 +293,7 @@ def report(results: dict[str, dict], top: int) -> str:
             head += f" for {r['out_tokens']} output tokens"
         if r.get("span_us"):
             head += f"; GPU busy {r['busy_us'] / 1000:.1f} ms of a {r['span_us'] / 1000:.1f} ms span ({100 * r['busy_us'] / r['span_us']:.0f}%)"
+        lines += [""] + format_idle(s, r.get("idle") or {})
         lines += ["", head + "; top kernels:"]
         ks = sorted(results[s]["kernels"].items(), key=lambda kv: -kv[1]["us"])[:top]
         for name, k in ks:

@@ -102,3 +102,41 @@ def test_profile_engine_arguments_take_dummy_weights_memory_share_and_concurrenc
     # one engine a side serves every listed concurrency: as many sequences as the largest
     assert profile_e2e.concurrencies(argparse.Namespace(conc="1,64")) == [1, 64]
     assert profile_e2e.concurrencies(argparse.Namespace(conc=32)) == [32]
+
+
+def test_idle_report_splits_steps_at_the_marker_and_names_the_gaps():
+    profile_e2e = load_bench("profile_e2e")
+    m = profile_e2e.STEP_MARKER
+    k = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [
+        k("warm", 0.0, 10.0),                                # 40 us idle before the first step
+        k(m, 50.0, 2.0), k("gemm_a", 52.0, 100.0),           # step 1 (prefill): 152 us busy ...
+        k("attn", 252.0, 10.0),                              # ... then a 100-us gap gemm_a -> attn
+        k(m, 262.0, 2.0), k("gemm_a", 264.0, 20.0),          # step 2: no gap
+        k(m, 284.0, 2.0), k("gemm_a", 316.0, 20.0),          # step 3: a 30-us gap marker -> gemm_a
+        {"ph": "X", "cat": "cpu_op", "name": "atom::slow_host_op", "ts": 160.0, "dur": 60.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::elsewhere", "ts": 0.0, "dur": 5.0},
+    ]
+    r = profile_e2e.idle_report(events)
+    assert r["steps"] == 3 and r["before_first_step_idle_us"] == 40.0
+    assert r["first_step"] == {"span_us": 212.0, "idle_us": 100.0}
+    assert r["other_steps_median"] == {"span_us": 52.0, "idle_us": 30.0}  # steps of 22 / 52 us, idle 0 / 30
+    assert r["idle_us"] == 40.0 + 100.0 + 30.0
+    assert r["gaps"]["by_neighbours"][0] == ["gemm_a -> attn", 100.0, 1]
+    assert r["gaps"]["host_during"] == [["atom::slow_host_op", 60.0]]
+    text = "\n".join(profile_e2e.format_idle("atom", r))
+    assert "gemm_a -> attn" in text and "atom::slow_host_op" in text
+
+
+def test_bf16_gemv_sweep_candidates_split_only_small_grids():
+    fp8_gemm = load_bench("fp8_gemm")
+    for n, k in ((6144, 4096), (2048, 4096), (256, 8192)):
+        cands = fp8_gemm._bf16_gemv_candidates(n, k, 132)
+        assert cands and all(c.gemv and c.stages in (1, 2, 3) for c in cands)
+        assert {c.stages for c in cands} == {1, 2, 3}
+        for c in cands:
+            assert 2048 <= c.block_n * c.block_k <= 2048 * c.warps
+            if c.split_k > 1:  # only a grid below one program per SM is split
+                assert -(-n // c.block_n) < 132 and -(-k // c.block_k) // c.split_k >= 2
+    assert all(c.split_k == 1 for c in fp8_gemm._bf16_gemv_candidates(6144, 4096, 132))
+    assert any(c.split_k > 1 for c in fp8_gemm._bf16_gemv_candidates(256, 8192, 132))
