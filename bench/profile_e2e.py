@@ -178,6 +178,22 @@ STEP_MARKER = "_compute_slot_mappings_kernel"
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def _overlap_counter(gaps: list):
+    """``f(a, b)``: the time of the sorted, disjoint ``(start, end, ...)`` intervals inside ``[a, b)``."""
+    import bisect
+
+    ends = [g[1] for g in gaps]
+
+    def inside(a: float, b: float) -> float:
+        total = 0.0
+        for g in gaps[bisect.bisect_right(ends, a):]:
+            if g[0] >= b:
+                break
+            total += min(g[1], b) - max(g[0], a)
+        return total
+    return inside
+
+
 def idle_report(events: list[dict], marker: str = STEP_MARKER, min_gap_us: float = 20.0, top: int = 8) -> dict:
     """Where the GPU waited, from a chrome trace's events: per engine step (a step starts at each
     ``marker`` kernel) its span, busy and idle time; the first step (the prefill of a fresh batch)
@@ -202,10 +218,11 @@ def idle_report(events: list[dict], marker: str = STEP_MARKER, min_gap_us: float
     starts = [float(e["ts"]) for e in gpu if e["name"] == marker]
     steps = []
     bounds = starts + [merged[-1][1]]
+    in_gaps = _overlap_counter(gaps)
     for a, b in zip(bounds, bounds[1:]):
-        idle = sum(max(0.0, min(g1, b) - max(g0, a)) for g0, g1, _, _ in gaps)
-        steps.append({"span_us": b - a, "idle_us": idle})
+        steps.append({"span_us": b - a, "idle_us": in_gaps(a, b)})
     big = [g for g in gaps if g[1] - g[0] >= min_gap_us]
+    in_big = _overlap_counter(big)
     pairs: dict[str, list] = {}
     for g0, g1, before, after in big:
         p = pairs.setdefault(f"{before[:40]} -> {after[:40]}", [0.0, 0])
@@ -215,7 +232,7 @@ def idle_report(events: list[dict], marker: str = STEP_MARKER, min_gap_us: float
     cpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "cuda_runtime")]
     for e in cpu:
         a, b = float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0))
-        ov = sum(max(0.0, min(g1, b) - max(g0, a)) for g0, g1, _, _ in big if g0 < b and a < g1)
+        ov = in_big(a, b)
         if ov:
             host[e["name"][:80]] = host.get(e["name"][:80], 0.0) + ov
 
