@@ -43,6 +43,9 @@ CATEGORIES = (
                    r"elementwise|vectorized|quant"),
 )
 _COMPILED = [(name, re.compile(pat, re.I)) for name, pat in CATEGORIES]
+#: host calls that wait for the GPU (or may): where they run inside a step, the host cannot run ahead
+HOST_SYNC = re.compile(r"Synchronize|cudaMemcpy$|cudaMemcpy[^A]|_local_scalar_dense|aten::item|cudaHostAlloc|cudaFreeHost|"
+                       r"pin_memory|cudaStreamWaitEvent|cudaEventQuery")
 #: the engine log lines that name the kernels a side chose (kept with its results)
 KERNEL_LOG = re.compile(r"Selected|Using .*(backend|kernel|Attention)|\[atom\]|atom .*selected|block-fp8 linears")
 
@@ -120,7 +123,11 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
         if not args.trace_dir:
             trace.unlink()
     kernels: dict[str, dict] = {}
+    host: dict[str, dict] = {}
     for evt in prof.key_averages():
+        if gpu and "CUDA" not in str(getattr(evt, "device_type", "")) and evt.self_cpu_time_total:
+            # host side: operators and CUDA runtime calls (launches, copies, synchronisations)
+            host[evt.key] = {"self_us": float(evt.self_cpu_time_total), "calls": int(evt.count)}
         if gpu:
             us = getattr(evt, "self_device_time_total", None)
             if us is None:
@@ -136,7 +143,8 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
         kernels[evt.key] = {"us": float(us), "calls": int(evt.count), "category": category(evt.key)}
     return {"side": args.side, "time_kind": "device" if gpu else "self-cpu", "wall_s": round(wall, 3),
             "categories_us": by_category(kernels), "kernels": kernels, "busy_us": busy, "span_us": span,
-            "idle": idle}
+            "idle": idle, "host_ops": dict(sorted(host.items(), key=lambda kv: -kv[1]["self_us"])[:60]),
+            "host_syncs": {k: v for k, v in host.items() if HOST_SYNC.search(k)}}
 
 
 def by_category(kernels: dict[str, dict]) -> dict[str, float]:
@@ -311,6 +319,11 @@ def report(results: dict[str, dict], top: int) -> str:
         if r.get("span_us"):
             head += f"; GPU busy {r['busy_us'] / 1000:.1f} ms of a {r['span_us'] / 1000:.1f} ms span ({100 * r['busy_us'] / r['span_us']:.0f}%)"
         lines += [""] + format_idle(s, r.get("idle") or {})
+        if r.get("host_ops"):
+            lines += [f"{s}: host self time (top 15), then the calls that can wait for the GPU:"]
+            lines += [f"    {v['self_us'] / 1000:8.2f} ms {v['calls']:7d}x  {k[:90]}" for k, v in list(r["host_ops"].items())[:15]]
+            lines += [f"    {v['self_us'] / 1000:8.2f} ms {v['calls']:7d}x  {k[:90]}  (sync?)"
+                      for k, v in sorted(r.get("host_syncs", {}).items(), key=lambda kv: -kv[1]["self_us"])]
         lines += ["", head + "; top kernels:"]
         ks = sorted(results[s]["kernels"].items(), key=lambda kv: -kv[1]["us"])[:top]
         for name, k in ks:
