@@ -104,7 +104,9 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    # with_stack: Python function events in the trace, so idle_report names the Python code
+    # running while the GPU waits (large traces: use a short --out)
+    with profile(activities=activities, with_stack=bool(getattr(args, "with_stack", False))) as prof:
         run()
         if gpu:
             torch.cuda.synchronize()
@@ -349,6 +351,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny Qwen3 (built if needed), fp32, eager, tiny run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-dir", default=None, help="also write chrome traces here")
+    ap.add_argument("--with-stack", action="store_true",
+                    help="record Python function events: the idle report then names the Python code the host "
+                         "runs while the GPU waits (a large trace: pair with a short --out)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
