@@ -93,9 +93,13 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/gpu_2026-11-27h/ab_dense_L36_launch1_c64.json"},
     {"path": "bench/results/gpu_2026-11-27h/ab_dense_L36_launch2-3_c64.json"},
     # Qwen3-30B-A3B dims, all 48 layers, bf16, vLLM's dummy weights (no checkpoint on disk), H200:
-    # one launch so far (2026-11-27i)
+    # launch 1 (2026-11-27i), launches 2 and 3 (2026-11-27j, one command each, fresh H200s)
     {"path": "bench/results/gpu_2026-11-27i/ab_moe-dummy_L48_launch1_c1.json"},
     {"path": "bench/results/gpu_2026-11-27i/ab_moe-dummy_L48_launch1_c128.json"},
+    {"path": "bench/results/gpu_2026-11-27j/ab_moe-dummy_L48_launch2_c1.json"},
+    {"path": "bench/results/gpu_2026-11-27j/ab_moe-dummy_L48_launch2_c128.json"},
+    {"path": "bench/results/gpu_2026-11-27j/ab_moe-dummy_L48_launch3_c1.json"},
+    {"path": "bench/results/gpu_2026-11-27j/ab_moe-dummy_L48_launch3_c128.json"},
 ]
 
 
