@@ -82,7 +82,10 @@ def profile_side(args: argparse.Namespace) -> dict:
     llm = LLM(**engine_kwargs(args))
     rng = random.Random(0)
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    sp = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
+    # No detokenization: with the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) it would
+    # run on the host timeline between steps, where a served engine runs it in the front-end
+    # process; and its cost depends on the tokens, which differ between sides on dummy weights.
+    sp = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True, detokenize=False)
     gpu = torch.cuda.is_available()
     cells = {}
     for conc in concurrencies(args):
@@ -91,8 +94,11 @@ def profile_side(args: argparse.Namespace) -> dict:
                     for _ in range(conc)]
 
         llm.generate(batch(), sp, use_tqdm=False)  # warm-up: JIT, autotuning, graph capture
-        cells[str(conc)] = profile_pass(args, lambda: llm.generate(batch(), sp, use_tqdm=False), gpu,
-                                        f"{args.side}_c{conc}")
+        outputs = []
+        cells[str(conc)] = profile_pass(args, lambda: outputs.extend(llm.generate(batch(), sp, use_tqdm=False)),
+                                        gpu, f"{args.side}_c{conc}")
+        # the first request's first tokens: whether both sides generate alike (dummy weights do not)
+        cells[str(conc)]["first_tokens"] = list(outputs[0].outputs[0].token_ids[:8]) if outputs else []
         cells[str(conc)]["out_tokens"] = conc * args.out_len
     return cells
 
