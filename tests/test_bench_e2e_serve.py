@@ -110,8 +110,9 @@ def test_idle_report_splits_steps_at_the_marker_and_names_the_gaps():
     k = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
     events = [
         k("warm", 0.0, 10.0),                                # 40 us idle before the first step
-        k(m, 50.0, 2.0), k("gemm_a", 52.0, 100.0),           # step 1 (prefill): 152 us busy ...
-        k("attn", 252.0, 10.0),                              # ... then a 100-us gap gemm_a -> attn
+        k(m, 50.0, 2.0), k("gemm_a", 52.0, 100.0),           # step 1 (prefill): busy until 200 ...
+        k("side", 60.0, 140.0),                              # overlaps gemm_a (another stream), ends at 200
+        k("attn", 252.0, 10.0),                              # ... then a 52-us gap side -> attn
         k(m, 262.0, 2.0), k("gemm_a", 264.0, 20.0),          # step 2: no gap
         k(m, 284.0, 2.0), k("gemm_a", 316.0, 20.0),          # step 3: a 30-us gap marker -> gemm_a
         {"ph": "X", "cat": "cpu_op", "name": "atom::slow_host_op", "ts": 160.0, "dur": 60.0},
@@ -119,13 +120,13 @@ def test_idle_report_splits_steps_at_the_marker_and_names_the_gaps():
     ]
     r = profile_e2e.idle_report(events)
     assert r["steps"] == 3 and r["before_first_step_idle_us"] == 40.0
-    assert r["first_step"] == {"span_us": 212.0, "idle_us": 100.0}
+    assert r["first_step"] == {"span_us": 212.0, "idle_us": 52.0}
     assert r["other_steps_median"] == {"span_us": 52.0, "idle_us": 30.0}  # steps of 22 / 52 us, idle 0 / 30
-    assert r["idle_us"] == 40.0 + 100.0 + 30.0
-    assert r["gaps"]["by_neighbours"][0] == ["gemm_a -> attn", 100.0, 1]
-    assert r["gaps"]["host_during"] == [["atom::slow_host_op", 60.0]]
+    assert r["idle_us"] == 40.0 + 52.0 + 30.0
+    assert r["gaps"]["by_neighbours"][0] == ["side -> attn", 52.0, 1]  # the kernel that ends last
+    assert r["gaps"]["host_during"] == [["atom::slow_host_op", 20.0]]  # 160-220 against the gap 200-252
     text = "\n".join(profile_e2e.format_idle("atom", r))
-    assert "gemm_a -> attn" in text and "atom::slow_host_op" in text
+    assert "side -> attn" in text and "atom::slow_host_op" in text
 
 
 def test_bf16_gemv_sweep_candidates_split_only_small_grids():
