@@ -431,7 +431,7 @@ def run_bf16_gemv_sweep(dev, budget: float) -> list[dict]:
     from atom.ops.fp8_gemm_triton import _gemv, gemv_config, num_sms
 
     sms, out = num_sms(dev), []
-    for si, (label, n, k) in enumerate(BF16_GEMV_SHAPES):
+    for label, n, k in BF16_GEMV_SHAPES:
         t_end = _time.time() + budget / len(BF16_GEMV_SHAPES)
         wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(max(2, int(300e6 // (2 * n * k)) + 1))]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)

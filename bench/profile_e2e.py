@@ -212,7 +212,7 @@ def _overlap_counter(gaps: list):
 
 def idle_report(events: list[dict], marker: str = STEP_MARKER, min_gap_us: float = 20.0, top: int = 8) -> dict:
     """Where the GPU waited, from a chrome trace's events: per engine step (a step starts at each
-    ``marker`` kernel) its span, busy and idle time; the first step (the prefill of a fresh batch)
+    ``marker`` kernel) its span and GPU idle time; the first step (the prefill of a fresh batch)
     apart from the median of the others; the gaps of at least ``min_gap_us`` grouped by the kernels
     on either side (``before -> after``, names cut at 40 characters); and the host operators running
     during those gaps (``cpu_op`` / ``python_function`` / ``cuda_runtime`` events, their overlap
