@@ -125,9 +125,10 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
         trace_dir.mkdir(parents=True, exist_ok=True)
         trace = trace_dir / f"{name}.json"
         prof.export_chrome_trace(str(trace))
-        if gpu:
-            summary = summarize_trace(trace)
-            busy, span, idle = summary["busy_us"], summary["span_us"], summary["idle"]
+        if gpu:  # the timeline only: the kernel totals come from key_averages below
+            events = trace_events(trace)
+            busy, span = busy_and_span_us([e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"])
+            idle = idle_report(events)
         if not args.trace_dir:
             trace.unlink()
     kernels: dict[str, dict] = {}
@@ -163,16 +164,21 @@ def by_category(kernels: dict[str, dict]) -> dict[str, float]:
     return cats
 
 
+def trace_events(path: Path) -> list[dict]:
+    """The events of a torch-profiler chrome trace (``.json`` or ``.json.gz``)."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
 def summarize_trace(path: Path) -> dict:
     """Kernel time by name and category from a chrome trace written by the torch profiler (e.g.
     by vLLM's worker under ``--profiler-config``; ``.json`` or ``.json.gz``). GPU kernels
     (``cat == "kernel"``) when there are any; else (a CPU build) the CPU operators
     (``cat == "cpu_op"``, inclusive time, so nested operators count twice)."""
-    import gzip
-
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f).get("traceEvents", [])
+    events = trace_events(path)
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     kind = "device"
     if not kernels:
@@ -221,15 +227,7 @@ def idle_report(events: list[dict], marker: str = STEP_MARKER, min_gap_us: float
                  key=lambda e: float(e.get("ts", 0.0)))
     if not gpu:
         return {}
-    # merged busy intervals, each remembering the kernel that ends it
-    merged: list[list] = []  # [start, end, name of the last-ending kernel, name of the first kernel]
-    for e in gpu:
-        a, b = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
-        if merged and a <= merged[-1][1]:
-            if b > merged[-1][1]:
-                merged[-1][1], merged[-1][2] = b, e["name"]
-        else:
-            merged.append([a, b, e["name"], e["name"]])
+    merged = _merged_intervals(gpu)
     gaps = [(merged[i][1], merged[i + 1][0], merged[i][2], merged[i + 1][3]) for i in range(len(merged) - 1)]
     starts = [float(e["ts"]) for e in gpu if e["name"] == marker]
     steps = []
@@ -285,20 +283,29 @@ def format_idle(side: str, r: dict) -> list[str]:
     return lines
 
 
+def _merged_intervals(events: list[dict]) -> list[list]:
+    """The union of the events' ``[ts, ts + dur)`` intervals (overlapping streams count once), in
+    order: ``[start, end, name of the event that ends it, name of the event that opens it]``."""
+    merged: list[list] = []
+    for e in sorted(events, key=lambda e: float(e.get("ts", 0.0))):
+        a = float(e.get("ts", 0.0))
+        b = a + float(e.get("dur", 0.0))
+        if merged and a <= merged[-1][1]:
+            if b > merged[-1][1]:
+                merged[-1][1], merged[-1][2] = b, e["name"]
+        else:
+            merged.append([a, b, e["name"], e["name"]])
+    return merged
+
+
 def busy_and_span_us(events: list[dict]) -> tuple[float, float]:
     """GPU busy time (the union of the kernels' intervals, so overlapping streams count once) and
     the span from the first kernel's start to the last one's end. busy / span well below 1 means
     the GPU waited on the host (launches, scheduling, sampling) for the rest."""
-    iv = sorted((float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0))) for e in events)
-    if not iv:
+    merged = _merged_intervals(events)
+    if not merged:
         return 0.0, 0.0
-    busy, (lo, hi) = 0.0, iv[0]
-    for a, b in iv[1:]:
-        if a > hi:
-            busy, lo, hi = busy + hi - lo, a, b
-        else:
-            hi = max(hi, b)
-    return busy + hi - lo, hi - iv[0][0]  # intervals sorted by start: the last merged end is the latest
+    return sum(b - a for a, b, _, _ in merged), merged[-1][1] - merged[0][0]
 
 
 def report(results: dict[str, dict], top: int) -> str:
