@@ -50,6 +50,17 @@ SHAPES = [
 MS = [1, 2, 4, 8, 16, 24, 64, 256, 4096]
 
 
+def rotating(fns: list, *args):
+    """A call that runs the next of ``fns`` (with ``args``) each time: one weight copy after
+    another, so none sits in L2 between calls."""
+    i = [0]
+
+    def call():
+        i[0] = (i[0] + 1) % len(fns)
+        return fns[i[0]](*args)
+    return call
+
+
 def timed(fn, reps: int = 20, samples: int = 3, min_ms: float = 100) -> float:
     """Seconds per call: a CUDA graph of ``reps`` calls, replayed for ``min_ms``, median of ``samples``."""
     fn()
@@ -223,12 +234,7 @@ def main(argv: list[str]) -> int:
                 try:
                     got = fns[0](x).float()
                     err = ((got - ref).abs().max() / ref.abs().max()).item()
-                    i = [0]
-
-                    def rot(fns=fns):
-                        i[0] = (i[0] + 1) % len(fns)
-                        return fns[i[0]](x)
-                    t = timed(rot)
+                    t = timed(rotating(fns, x))
                 except Exception as e:  # noqa: BLE001
                     row["sides"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
                     continue
@@ -330,13 +336,8 @@ def run_gemv_sweep(dev, budget: float) -> list[dict]:
     sms, out, t_end = num_sms(dev), [], _time.time() + budget
 
     def rec(label, n, k, m, kind, cfg, fn, nbytes):
-        i = [0]
-
-        def rot():
-            i[0] = (i[0] + 1) % len(fn)
-            return fn[i[0]]()
         try:
-            t = timed(rot, samples=2, min_ms=20)
+            t = timed(rotating(fn), samples=2, min_ms=20)
         except Exception as e:  # noqa: BLE001
             print(f"[gemv] {label} M={m} {kind} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
             return None
@@ -439,15 +440,10 @@ def run_bf16_gemv_sweep(dev, budget: float) -> list[dict]:
         ref = (x.float() @ wb[0].float().t())
 
         def rec(kind, cfg, fns):
-            i = [0]
-
-            def rot():
-                i[0] = (i[0] + 1) % len(fns)
-                return fns[i[0]]()
             try:
                 got = fns[0]().float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
-                t = timed(rot, samples=2, min_ms=20)
+                t = timed(rotating(fns), samples=2, min_ms=20)
             except Exception as e:  # noqa: BLE001
                 print(f"[bf16 gemv] {label} {kind} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 return

@@ -141,3 +141,9 @@ def test_bf16_gemv_sweep_candidates_split_only_small_grids():
                 assert -(-n // c.block_n) < 132 and -(-k // c.block_k) // c.split_k >= 2
     assert all(c.split_k == 1 for c in fp8_gemm._bf16_gemv_candidates(6144, 4096, 132))
     assert any(c.split_k > 1 for c in fp8_gemm._bf16_gemv_candidates(256, 8192, 132))
+
+
+def test_rotating_call_walks_the_weight_copies_in_turn():
+    fp8_gemm = load_bench("fp8_gemm")
+    call = fp8_gemm.rotating([lambda x: ("a", x), lambda x: ("b", x), lambda x: ("c", x)], 7)
+    assert [call() for _ in range(4)] == [("b", 7), ("c", 7), ("a", 7), ("b", 7)]
