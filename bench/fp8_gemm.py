@@ -24,6 +24,7 @@ cuBLAS's sides only (no vLLM import).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -33,7 +34,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HBM = 3.35e12  # the H100 SXM's; main() sets the H200's (4.8e12) on an H200
+#: HBM bandwidth (bytes/s) by GPU name: the H200's; every other GPU is taken as the H100 SXM
+HBM_BY_GPU = {"H200": 4.8e12}
+HBM_DEFAULT = 3.35e12
+
+
+@functools.lru_cache(maxsize=None)
+def hbm() -> float:
+    """The current GPU's HBM bandwidth in bytes/s (:data:`HBM_BY_GPU`), for the tables' % of HBM."""
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in HBM_BY_GPU.items() if key in name), HBM_DEFAULT)
 FP8_PEAK = 989e12
 BF16_PEAK = 495e12
 BLOCK = (128, 128)
@@ -197,9 +207,6 @@ def main(argv: list[str]) -> int:
     from atom.ops.fp8_gemm import dequant_block_fp8
 
     dev = torch.device("cuda")
-    global HBM
-    if "H200" in torch.cuda.get_device_name(dev):
-        HBM = 4.8e12
     makers = {}
     factories = () if args.no_vllm else (
         ("atom default", atom_default), ("stock cutlass", stock_cutlass), ("stock deepgemm", stock_deepgemm),
@@ -242,7 +249,7 @@ def main(argv: list[str]) -> int:
                 nbytes = n * k * (1 if fp8 else 2) + m * k * 2 + m * n * 2
                 flops = 2 * m * n * k
                 row["sides"][name] = {"us": t * 1e6, "rel_err": err, "wrong": err > 0.08,
-                                      "hbm_pct": 100 * nbytes / t / HBM,
+                                      "hbm_pct": 100 * nbytes / t / hbm(),
                                       "peak_pct": 100 * flops / t / (FP8_PEAK if "w8a8" in name or "stock" in name or "default" in name
                                                                     else BF16_PEAK)}
             rows.append(row)
@@ -255,7 +262,7 @@ def main(argv: list[str]) -> int:
     gemv = run_gemv_sweep(dev, args.gemv_budget) if args.gemv_sweep else []
     bf16_gemv = run_bf16_gemv_sweep(dev, args.gemv_budget) if args.bf16_gemv_sweep else []
     if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": HBM, "rows": rows,
+        Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "hbm_bytes_per_s": hbm(), "rows": rows,
                                                "sweep": sweep, "gemv_sweep": gemv, "bf16_gemv_sweep": bf16_gemv}, indent=1))
     print(table(rows))
     return 0
@@ -292,7 +299,7 @@ def run_sweep(dev) -> list[dict]:
                                     print(f"[sweep] {cfg} failed: {e}", flush=True)
                                     continue
                                 out.append({"n": n, "k": k, "m": m, "cfg": cfg.__dict__, "us": t * 1e6,
-                                            "hbm_pct": 100 * (n * k) / t / HBM})
+                                            "hbm_pct": 100 * (n * k) / t / hbm()})
             best = sorted((r for r in out if r["n"] == n and r["k"] == k and r["m"] == m), key=lambda r: r["us"])[:3]
             for r in best:
                 print(f"[sweep] N={n} K={k} M={m}: {r['us']:.1f} us ({r['hbm_pct']:.0f}% HBM) {r['cfg']}", flush=True)
@@ -341,7 +348,7 @@ def run_gemv_sweep(dev, budget: float) -> list[dict]:
         except Exception as e:  # noqa: BLE001
             print(f"[gemv] {label} M={m} {kind} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
             return None
-        r = {"shape": label, "n": n, "k": k, "m": m, "kind": kind, "us": t * 1e6, "hbm_pct": 100 * nbytes / t / HBM,
+        r = {"shape": label, "n": n, "k": k, "m": m, "kind": kind, "us": t * 1e6, "hbm_pct": 100 * nbytes / t / hbm(),
              "cfg": dataclasses.asdict(cfg) if cfg is not None else None}
         out.append(r)
         return r
@@ -425,7 +432,7 @@ def _bf16_gemv_candidates(n: int, k: int, sms: int) -> list:
 def run_bf16_gemv_sweep(dev, budget: float) -> list[dict]:
     """The GEMV kernel's variants on bf16 weights at M = 1 (:data:`BF16_GEMV_SHAPES`), within
     ``budget`` s split evenly across the shapes, next to cuBLAS and to atom's default
-    (:func:`atom.ops.fp8_gemm_triton.gemv_config`), each with its % of ``HBM``."""
+    (:func:`atom.ops.fp8_gemm_triton.gemv_config`), each with its % of :func:`hbm`."""
     import dataclasses
     import time as _time
 
@@ -448,7 +455,7 @@ def run_bf16_gemv_sweep(dev, budget: float) -> list[dict]:
                 print(f"[bf16 gemv] {label} {kind} {cfg} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 return
             out.append({"shape": label, "n": n, "k": k, "m": 1, "kind": kind, "us": t * 1e6, "rel_err": err,
-                        "hbm_pct": 100 * 2 * n * k / t / HBM, "cfg": dataclasses.asdict(cfg) if cfg else None})
+                        "hbm_pct": 100 * 2 * n * k / t / hbm(), "cfg": dataclasses.asdict(cfg) if cfg else None})
 
         rec("bf16 cublas", None, [lambda w=w: torch.mm(x, w.t()) for w in wb])
         default = gemv_config(1, n, k, None, sms)

@@ -147,3 +147,12 @@ def test_rotating_call_walks_the_weight_copies_in_turn():
     fp8_gemm = load_bench("fp8_gemm")
     call = fp8_gemm.rotating([lambda x: ("a", x), lambda x: ("b", x), lambda x: ("c", x)], 7)
     assert [call() for _ in range(4)] == [("b", 7), ("c", 7), ("a", 7), ("b", 7)]
+
+
+def test_hbm_bandwidth_follows_the_gpu(monkeypatch):
+    fp8_gemm = load_bench("fp8_gemm")
+    for name, want in (("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12)):
+        monkeypatch.setattr(fp8_gemm.torch.cuda, "get_device_name", lambda *a, name=name: name)
+        fp8_gemm.hbm.cache_clear()
+        assert fp8_gemm.hbm() == want
+    fp8_gemm.hbm.cache_clear()
