@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import next_pow2
+from atom.ops._common import cdiv, next_pow2
 from atom.ops.common_triton import num_warps_for
 
 #: Columns per SiLU-and-mul program (a row of d outputs is split over cdiv(d, this) programs).
@@ -30,7 +30,7 @@ def silu_and_mul_launch(x: torch.Tensor, out: torch.Tensor) -> None:
     if rows == 0 or d == 0:
         return
     block = min(SILU_BLOCK, next_pow2(d))
-    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
+    _silu_and_mul_kernel[(rows, cdiv(d, block))](
         x, out, x.stride(0), out.stride(0), d,
         BLOCK=block, num_warps=num_warps_for(block, 2 * x.element_size(), max_warps=8),
     )

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import FP8_DTYPE, next_pow2
+from atom.ops._common import FP8_DTYPE, cdiv, next_pow2
 from atom.ops._dispatch import triton_interpreting
 from atom.ops.common_triton import dot_flags
 
@@ -294,7 +294,7 @@ def _split_k_sum(target: torch.Tensor, bias: Optional[torch.Tensor], out: torch.
     if split > 1:
         m, n = out.shape
         block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
+        _split_k_sum_kernel[(cdiv(m * n, block),)](
             target, bias if bias is not None else target, out, m, n, out.stride(0),
             SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
     return out
@@ -323,7 +323,7 @@ def fp8_block_gemm_fwd(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     _, prec = dot_flags(torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
     split = cfg.split_k
     target, stride_ys, stride_ym = _split_k_target(out, split)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split)
     xs = x_scale if x_scale is not None else weight_scale  # unused pointer when not A_FP8
     _fp8_gemm_kernel[grid](
         x, xs, weight, weight_scale, bias if bias is not None else weight_scale, target, m, n, k, split,
@@ -352,7 +352,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Te
     split = cfg.split_k
     target, stride_ys, stride_ym = _split_k_target(out, split)
     ws = weight_scale if weight_scale is not None else weight
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split, m)](
+    _gemv_kernel[(cdiv(n, cfg.block_n), split, m)](
         x, weight, ws, bias if bias is not None else ws, target, m, n, k, split,
         x.stride(0), weight.stride(0), ws.stride(0), stride_ym, stride_ys,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

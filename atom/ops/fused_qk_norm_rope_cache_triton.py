@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import next_pow2
+from atom.ops._common import cdiv, next_pow2
 from atom.ops.common_triton import cache_store, exact_fp8_cast, num_warps_for
 
 #: Target elements per head-block tile (D=128 -> 8 heads per program).
@@ -185,8 +185,8 @@ def qk_norm_rope_cache_launch(
     n_pass = d - rotary_dim
     block_hq = min(next_pow2(hq), max(1, TILE_ELEMS // next_pow2(d)))
     block_hk = min(next_pow2(max(hk, 1)), max(1, TILE_ELEMS // next_pow2(d)))
-    nqb = triton.cdiv(hq, block_hq)
-    nkb = triton.cdiv(hk, block_hk) if hk else 0
+    nqb = cdiv(hq, block_hq)
+    nkb = cdiv(hk, block_hk) if hk else 0
     dummy = positions  # stands in for absent pointers; never dereferenced (constexpr-gated)
     kk = k if k is not None else q
     vv = v if do_cache else q

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import FP8_AMAX_EPS, next_pow2
+from atom.ops._common import FP8_AMAX_EPS, cdiv, next_pow2
 from atom.ops.common_triton import exact_fp8_cast, num_warps_for, to_fp8_e4m3
 
 #: RMSNorm rows up to this many elements (one program holds the whole row).
@@ -61,7 +61,7 @@ def rms_norm_quant_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, res
     m, n = x.shape
     if m == 0 or n == 0:
         return
-    groups = triton.cdiv(n, group)
+    groups = cdiv(n, group)
     ng = next_pow2(groups)
     has_res = residual is not None
     _rms_norm_quant_kernel[(m,)](
@@ -95,9 +95,9 @@ def silu_and_mul_quant_launch(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor,
     m, d = y.shape
     if m == 0 or d == 0:
         return
-    groups = triton.cdiv(d, group)
+    groups = cdiv(d, group)
     gpb = min(next_pow2(groups), max(1, SILU_TILE_ELEMS // group))
-    _silu_and_mul_quant_kernel[(m, triton.cdiv(groups, gpb))](
+    _silu_and_mul_quant_kernel[(m, cdiv(groups, gpb))](
         x, y, q, s, x.stride(0), y.stride(0), q.stride(0), s.stride(0), s.stride(1), d, groups, FP8_AMAX_EPS,
         G=group, GPB=gpb, EXACT_FP8=exact_fp8_cast(),
         num_warps=num_warps_for(gpb * group, 2 * x.element_size(), max_warps=8),

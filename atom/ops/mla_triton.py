@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from atom import envs
-from atom.ops._common import next_pow2
+from atom.ops._common import cdiv, next_pow2
 from atom.ops._dispatch import triton_interpreting
 from atom.ops.attention_triton import WARM_UP_SPLITS, choose_num_splits, split_kv_reduce
 from atom.ops.common_triton import dot_flags, exact_fp8_cast, to_fp8_e4m3
@@ -200,7 +200,7 @@ def mla_decode_fwd(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch
     upcast, prec = dot_flags(q_nope.dtype)
     # without max_seq_len the block table's width bounds the context (no host sync)
     max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * latent_cache.shape[1]
-    head_blocks = triton.cdiv(num_heads, cfg["BLOCK_H"])
+    head_blocks = cdiv(num_heads, cfg["BLOCK_H"])
     if num_splits is None:
         num_splits = choose_num_splits(num_tokens * head_blocks, max_ctx, cfg["BLOCK_N"],
                                        q_nope.device)
@@ -242,7 +242,7 @@ def warm_up(num_heads: int, rank: int, rope: int, dtype: torch.dtype, page: int,
     query is; the split count, block-table width and partial-LSE strides are not specialised,
     so these launches cover every later batch. Returns the number of launches."""
     ctx = 2 * page
-    blocks_per_seq = triton.cdiv(ctx, page)
+    blocks_per_seq = cdiv(ctx, page)
     cache = torch.zeros(2 * blocks_per_seq, page, rank + rope, dtype=dtype, device=device)
     table = torch.arange(2 * blocks_per_seq, dtype=torch.int32, device=device).view(2, -1)
     seq_lens = torch.full((2,), ctx, dtype=torch.int32, device=device)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from atom import envs
-from atom.ops._common import next_pow2
+from atom.ops._common import cdiv, next_pow2
 from atom.ops._dispatch import triton_interpreting
 from atom.ops.common_triton import exact_fp8_cast, to_fp8_e4m3
 
@@ -232,7 +232,7 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, num_glo
     swigluoai = activation == "swigluoai"
     clamp = swigluoai and swiglu_limit is not None
     round_ = exact_fp8_cast()
-    _moe_gemv1_kernel[(num_pairs, triton.cdiv(inter, cfg.block_n1))](
+    _moe_gemv1_kernel[(num_pairs, cdiv(inter, cfg.block_n1))](
         x, x_fp8 if x_q else x, xs if x_q else x, ids_flat, emap, w13, w13_s,
         w13_bias if w13_bias is not None else x, h,
         hidden, inter, num_local, num_global,
@@ -251,7 +251,7 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, num_glo
         tw = tw.float().contiguous()
     w2_s = w2_scale if fp8 else x
     ws2 = (w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2)) if fp8 else (0, 0, 0)
-    _moe_gemv2_kernel[(num_pairs, triton.cdiv(hidden, cfg.block_n2))](
+    _moe_gemv2_kernel[(num_pairs, cdiv(hidden, cfg.block_n2))](
         h, ids_flat, emap, w2, w2_s, w2_bias if w2_bias is not None else x, tw, dst,
         inter, hidden, num_local, num_global,
         h.stride(0), w2.stride(0), w2.stride(1), *ws2,
@@ -261,7 +261,7 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, num_glo
     )
     if not direct:
         block_h = min(1024, next_pow2(hidden))
-        _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        _moe_sum_kernel[(num_tokens, cdiv(hidden, block_h))](
             dst, ids_flat, emap, out, hidden, num_global, dst.stride(0), out.stride(0),
             TOPK=top_k, BLOCK_H=block_h, HAS_MAP=has_map, num_warps=4,
         )

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import next_pow2
+from atom.ops._common import cdiv, next_pow2
 
 
 
@@ -109,7 +109,7 @@ def _routes(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torc
     w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     block_t = max(1, min(64, 4096 // next_pow2(num_experts)))
-    return w, ids, (triton.cdiv(num_tokens, block_t),), block_t
+    return w, ids, (cdiv(num_tokens, block_t),), block_t
 
 
 def topk_softmax_fwd(router_logits: torch.Tensor, top_k: int,

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import next_pow2
+from atom.ops._common import cdiv, next_pow2
 from atom.ops._dispatch import triton_interpreting
 from atom.ops.common_triton import dot_flags, exact_fp8_cast, to_fp8_e4m3
 # the small-batch path (module docstring), its own module
@@ -367,12 +367,12 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, a
 def group_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(row, group of ``group`` columns) fp8 e4m3 quantisation: (q, scales [rows, groups])."""
     rows, cols = x.shape
-    groups = triton.cdiv(cols, group)
+    groups = cdiv(cols, group)
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     if rows:
         block_r = max(1, min(16, 2048 // group))  # ~2K elements per program
-        _group_quant_kernel[(triton.cdiv(rows, block_r), groups)](
+        _group_quant_kernel[(cdiv(rows, block_r), groups)](
             x, q, s, rows, cols, x.stride(0), q.stride(0), s.stride(0),
             GROUP=group, BLOCK_R=block_r, ROUND=exact_fp8_cast(), num_warps=4)
     return q, s
@@ -423,7 +423,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     dev = x.device
 
     # 1. sort pairs by expert, blocks of bm rows
-    max_padded = (triton.cdiv(num_pairs, bm) + min(num_local, num_pairs)) * bm
+    max_padded = (cdiv(num_pairs, bm) + min(num_local, num_pairs)) * bm
     num_pid_m = max_padded // bm
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_pid_m, dtype=torch.int32, device=dev)
@@ -454,14 +454,14 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     quant_in_gemm1 = fp8 and cfg.block_n1 == scale_bk
     if quant_in_gemm1:
         inter_buf = torch.empty(max_padded, inter, dtype=torch.float8_e4m3fn, device=dev)
-        inter_s = torch.empty(max_padded, triton.cdiv(inter, scale_bk), dtype=torch.float32, device=dev)
+        inter_s = torch.empty(max_padded, cdiv(inter, scale_bk), dtype=torch.float32, device=dev)
     elif fp8:
         inter_buf = torch.empty(max_padded, inter, dtype=torch.float32, device=dev)
         inter_s = inter_buf
     else:
         inter_buf = torch.empty(max_padded, inter, dtype=x.dtype, device=dev)
         inter_s = inter_buf
-    grid1 = (num_pid_m * triton.cdiv(inter, cfg.block_n1),)
+    grid1 = (num_pid_m * cdiv(inter, cfg.block_n1),)
     swigluoai = activation == "swigluoai"
     clamp = swigluoai and swiglu_limit is not None
     _moe_gemm1_kernel[grid1](
@@ -491,7 +491,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     tw = topk_weights.reshape(-1)
     if tw.dtype != torch.float32 or not tw.is_contiguous():
         tw = tw.float().contiguous()
-    grid2 = (num_pid_m * triton.cdiv(hidden, cfg.block_n2),)
+    grid2 = (num_pid_m * cdiv(hidden, cfg.block_n2),)
     _moe_gemm2_kernel[grid2](
         inter_buf, inter_s, w2, w2_s, dst, tw, w2_bias if w2_bias is not None else x,
         sorted_ids, expert_ids, num_post, num_pairs,
@@ -506,7 +506,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # 5. sum the top_k rows of each token
     if not direct:
         block_h = min(1024, next_pow2(hidden))
-        _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        _moe_sum_kernel[(num_tokens, cdiv(hidden, block_h))](
             dst, ids_flat, expert_map if expert_map is not None else ids_flat, out, hidden,
             num_global,
             dst.stride(0), out.stride(0), TOPK=top_k, BLOCK_H=block_h,

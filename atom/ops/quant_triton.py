@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import FP8_AMAX_EPS, next_pow2
+from atom.ops._common import FP8_AMAX_EPS, cdiv, next_pow2
 from atom.ops.common_triton import exact_fp8_cast, num_warps_for, to_fp8_e4m3
 
 #: Per-token quant: rows up to this many elements in one pass from registers, else two passes.
@@ -56,7 +56,7 @@ def per_token_quant_launch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tenso
         block, chunks = next_pow2(k), 1
     else:
         block = min(QUANT_CHUNK_K, next_pow2(k))
-        chunks = triton.cdiv(k, block)
+        chunks = cdiv(k, block)
     _per_token_quant_kernel[(rows,)](
         x, q, scales, x.stride(0), q.stride(0), k, FP8_AMAX_EPS,
         BLOCK=block, NUM_CHUNKS=chunks, EXACT_FP8=exact_fp8_cast(),
@@ -86,12 +86,12 @@ def per_block_quant_launch(
 ) -> None:
     """x/q ``[rows, K]`` (unit last stride), scales ``[rows, cdiv(K, group)]`` float32."""
     rows, k = x.shape
-    num_groups = triton.cdiv(k, group)
+    num_groups = cdiv(k, group)
     if rows == 0 or num_groups == 0:
         return
     block_g = next_pow2(group)
     groups = min(next_pow2(num_groups), max(1, GROUP_TILE_ELEMS // block_g))
-    _per_block_quant_kernel[(rows, triton.cdiv(num_groups, groups))](
+    _per_block_quant_kernel[(rows, cdiv(num_groups, groups))](
         x, q, scales, x.stride(0), q.stride(0), scales.stride(0), k, num_groups, group, FP8_AMAX_EPS,
         GROUPS=groups, BLOCK_G=block_g, EXACT_FP8=exact_fp8_cast(),
         num_warps=num_warps_for(groups * block_g, x.element_size(), max_warps=8),

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import next_pow2
+from atom.ops._common import cdiv, next_pow2
 from atom.ops.common_triton import exact_fp8_cast, num_warps_for, to_fp8_e4m3
 
 #: Rows up to this many elements are normalised from registers in one pass; longer rows loop
@@ -104,7 +104,7 @@ def rms_norm_launch(
         block, chunks = next_pow2(n), 1
     else:
         block = min(CHUNK_N, next_pow2(n))
-        chunks = triton.cdiv(n, block)
+        chunks = cdiv(n, block)
     has_res = residual is not None
     fp8 = scale is not None
     _rms_norm_kernel[(rows,)](

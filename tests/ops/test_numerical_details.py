@@ -214,3 +214,15 @@ def test_routing_renormalisation_and_correction_bias_decide(backend):
     score = torch.sigmoid(logits.double())
     chosen = score.gather(1, ids.long())
     torch.testing.assert_close(w.double(), chosen / chosen.sum(-1, keepdim=True) * 2.5, atol=1e-6, rtol=1e-6)
+
+
+def test_host_cdiv_is_ceiling_division():
+    """Launch grids are sized with atom's host ``cdiv`` (not ``triton.cdiv``): it must agree with
+    the ceiling of the quotient everywhere a grid meets (0, exact multiples, one past)."""
+    import math
+
+    from atom.ops._common import cdiv
+
+    for b in (1, 3, 16, 128):
+        for a in range(0, 4 * b + 2):
+            assert cdiv(a, b) == math.ceil(a / b), (a, b)
