@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import next_pow2
+from atom.ops._common import cdiv, next_pow2
 from atom.ops._dispatch import triton_interpreting
 from atom.ops.common_triton import dot_flags
 
@@ -57,8 +57,8 @@ def choose_num_splits(rows: int, max_ctx: int, block_n: int, device: torch.devic
     split keeps at least ``min_tiles`` key tiles of the longest context (below that the extra
     partial outputs and the reduce pass cost more than the parallelism gains).
     """
-    want = triton.cdiv(num_programs_target(device), max(rows, 1))
-    cap = max(1, triton.cdiv(max_ctx, block_n) // min_tiles)
+    want = cdiv(num_programs_target(device), max(rows, 1))
+    cap = max(1, cdiv(max_ctx, block_n) // min_tiles)
     return max(1, min(want, cap, max_splits))
 
 
@@ -418,18 +418,20 @@ def paged_attention_fwd(
     dummy = seq_lens  # placeholder pointer for absent optional tensors (never read)
     common = dict(HEAD_D=head_dim, BLOCK_D=block_d, PAGE=page, HAS_WINDOW=window > 0,
                   HAS_SINKS=sinks is not None, HAS_KV_SCALE=has_scale, UPCAST=upcast, PREC=prec)
+    # Strides read once per tensor (one call each rather than one per dimension: outside CUDA
+    # graphs this function is host time per layer and step).
+    sq, sk, sv, so = q.stride(), key_cache.stride(), value_cache.stride(), out.stride()
+    stride_bt = block_table.stride(0)
 
     if max_query_len > 1 or lse is not None:
         cfg = _prefill_config(head_dim, q.dtype)
-        grid = (num_seqs, triton.cdiv(max(max_query_len, 1), cfg["BLOCK_M"]), num_heads)
+        grid = (num_seqs, cdiv(max(max_query_len, 1), cfg["BLOCK_M"]), num_heads)
         _prefill_kernel[grid](
             q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
             sinks if sinks is not None else dummy,
             k_scale if has_scale else dummy, v_scale if has_scale else dummy,
             lse if lse is not None else dummy, float(scale), window,
-            q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
-            key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
-            value_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
+            sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], stride_bt, so[0], so[1],
             lse.stride(0) if lse is not None else 0,
             GROUP=group, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
             SKIP_DECODE=lse is None, STORE_LSE=lse is not None,
@@ -461,9 +463,8 @@ def paged_attention_fwd(
         sinks if sinks is not None else dummy,
         k_scale if has_scale else dummy, v_scale if has_scale else dummy,
         float(scale), window, num_splits,
-        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1), *po_strides, *pl_strides,
+        sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], stride_bt, so[0], so[1],
+        *po_strides, *pl_strides,
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=cfg["BLOCK_N"],
         MIXED=max_query_len > 1, DIRECT=direct,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common,
@@ -491,7 +492,7 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     number of launches."""
     kv_dtype = kv_dtype or dtype
     ctx = 2 * page
-    blocks = 2 * triton.cdiv(ctx, page)
+    blocks = 2 * cdiv(ctx, page)
     cache = torch.zeros(2, blocks, page, num_kv_heads, head_dim, dtype=dtype, device=device).to(kv_dtype)
     table = torch.arange(blocks, dtype=torch.int32, device=device).view(2, -1)
     seq_lens = torch.full((2,), ctx, dtype=torch.int32, device=device)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.ops._common import next_pow2
+from atom.ops._common import cdiv, next_pow2
 from atom.ops.common_triton import cache_store, exact_fp8_cast, num_warps_for
 
 #: Elements of one head-block tile (key or value) per program; ~2 KiB of bf16.
@@ -59,13 +59,11 @@ def reshape_and_cache_launch(
         return
     block_d = next_pow2(d)
     block_h = min(next_pow2(h), max(1, TILE_ELEMS // block_d))
-    grid = (t, triton.cdiv(h, block_h))
+    grid = (t, cdiv(h, block_h))
     _reshape_and_cache_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping,
         k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        *key.stride()[:2], *value.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
         h, key_cache.shape[1],
         HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
         FP8=fp8, EXACT_FP8=fp8 and exact_fp8_cast(),

@@ -324,3 +324,31 @@ def test_post_load_hook_warms_up_the_kernels_for_this_layer(monkeypatch, kv_cach
     impl.process_weights_after_loading(torch.bfloat16)
     assert calls == [((16, 4, 64, torch.bfloat16, 32, torch.device("cuda", 0)),
                       dict(kv_dtype=kv_dtype, sliding_window=128, sinks=True))]
+
+
+def test_cache_views_are_kept_per_cache_tensor():
+    """The NHD views are made once per cache tensor (outside CUDA graphs they are host time per
+    layer and step), and a different tensor handed to the layer gets its own views: the write
+    lands in the tensor of this call, never in a kept view of an earlier one."""
+    from atom.plugin.vllm.attention import _cache_views
+
+    impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 1 / math.sqrt(HEAD), NUM_KV_HEADS, None, None, "auto",
+                             None, "decoder", None)
+    impl.process_weights_after_loading(torch.float32)
+    layout = "get_kv_cache_shape" if compat.has_get_kv_cache_shape() else "LBNHC"
+
+    def cache():
+        if layout == "get_kv_cache_shape":
+            return torch.zeros(ATOMAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD))
+        return _vllm_cache(layout).zero_()
+
+    first, second = cache(), cache()
+    views = _cache_views(impl, first)
+    assert all(a is b for a, b in zip(_cache_views(impl, first), views))  # kept
+    key, value = torch.randn(2, NUM_KV_HEADS, HEAD), torch.randn(2, NUM_KV_HEADS, HEAD)
+    impl.do_kv_cache_update(LAYER, key, value, second, torch.tensor([3, 17]))
+    k2, v2 = compat.kv_cache_as_nhd(second, HEAD)
+    torch.testing.assert_close(k2[0, 3], key[0])
+    torch.testing.assert_close(v2[1, 1], value[1])
+    k1, _ = compat.kv_cache_as_nhd(first, HEAD)
+    assert not k1.any()  # nothing written into the earlier tensor

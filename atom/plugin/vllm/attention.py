@@ -225,8 +225,19 @@ WRITE_CACHE_IN_FORWARD = not compat.layer_calls_kv_cache_update()
 
 
 def _cache_views(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NHD key/value views of the tensor vLLM binds to the layer (fp8 caches as float8_e4m3fn)."""
-    return impl.fp8_views(*compat.kv_cache_as_nhd(kv_cache, impl.head_size))
+    """NHD key/value views of the tensor vLLM binds to the layer (fp8 caches as float8_e4m3fn).
+
+    vLLM hands a layer the same cache tensor at every step, so the views are made once and kept
+    with that tensor and its address (a re-bound or re-allocated cache makes them again): outside
+    CUDA graphs (mixed prefill + decode steps run attention eagerly) this runs twice per layer and
+    step, and building the views (release check, transpose, two slices) costs ~8 us of host time
+    each time."""
+    memo = getattr(impl, "_kv_views", None)
+    if memo is not None and memo[0] is kv_cache and memo[1] == kv_cache.data_ptr():
+        return memo[2]
+    views = impl.fp8_views(*compat.kv_cache_as_nhd(kv_cache, impl.head_size))
+    impl._kv_views = (kv_cache, kv_cache.data_ptr(), views)
+    return views
 
 
 class MHAImplMethods:
