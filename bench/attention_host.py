@@ -1,0 +1,295 @@
+#!/usr/bin/env python
+"""Host time of one attention layer call outside CUDA graphs: atom's vLLM impl against vLLM's
+FlashAttention impl, on the same batch.
+
+Under vLLM's default ``FULL_AND_PIECEWISE`` CUDA-graph mode a mixed prefill + decode step (and
+any prefill step) replays the piecewise graphs and runs every layer's attention eagerly, between
+them: ``impl.do_kv_cache_update`` then ``impl.forward``, once per layer. Their Python and kernel
+launches are host time per layer and step; when a step's host time exceeds its GPU time the GPU
+waits. This measures that call pair for each side, the way vLLM's layer makes it (the
+``unified_*`` custom-op wrappers around them are vLLM's and the same for both sides, so they are
+left out):
+
+* **atom**: ``ATOMAttentionImpl`` (its decorators applied as the platform does) on the cache
+  layout the running vLLM allocates, with the metadata atom's builder produces;
+* **stock**: ``FlashAttentionImpl`` with ``FlashAttentionMetadata`` (no AOT scheduler metadata,
+  no cascade), on FlashAttention's cache layout and stride order.
+
+Per scenario and side: ``host_us``, the median over ``--repeats`` of the wall time of ``--iters``
+back-to-back call pairs launched without synchronising (the launch queue holds them, so this is
+the host's cost while the GPU keeps up), and ``synced_us``, the same loop including the final
+synchronisation (the larger of host and GPU time per call). Scenarios (Qwen3-8B attention: 32
+query / 8 KV heads of 128, bf16, 16-token pages): ``mixed-256`` (255 decode rows with 200 tokens
+of context + one 128-token prefill), ``mixed-64``, ``prefill-16x128`` and ``decode-256`` (the
+last runs inside full graphs in a served engine; here eager, for reference).
+
+    python bench/attention_host.py --json /tmp/out/attention_host.json            # GPU
+    PYTHONPATH=/tmp/atom-old:$PYTHONPATH python bench/attention_host.py --sides atom --label atom-old
+    python bench/attention_host.py --smoke --sides atom                             # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+SMOKE = dict(heads=4, kv_heads=2, head_dim=32, page=16)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """``decodes`` rows of one new token after ``ctx`` cached tokens, then ``prefills`` rows of
+    ``prefill_len`` new tokens with no context."""
+
+    name: str
+    decodes: int
+    ctx: int
+    prefills: int
+    prefill_len: int
+
+
+SCENARIOS = (
+    Scenario("mixed-256", 255, 200, 1, 128),
+    Scenario("mixed-64", 63, 200, 1, 128),
+    Scenario("prefill-16x128", 0, 0, 16, 128),
+    Scenario("decode-256", 256, 200, 0, 0),
+)
+SMOKE_SCENARIOS = (Scenario("mixed-smoke", 5, 21, 2, 7),)
+
+
+@dataclass
+class Batch:
+    """One step's tensors for a scenario: queries and new keys / values ``[T, heads, D]``, and
+    the paged layout (``block_table`` rows of consecutive private blocks, ``slot_mapping`` of
+    the new tokens)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_blocks: int
+    max_query_len: int
+    max_seq_len: int
+    # every request's cached context (keys / values of its first seq_len - q_len tokens)
+    ctx_k: list
+    ctx_v: list
+
+
+def build_batch(sc: Scenario, heads: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
+                device: str, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    rows = [(sc.ctx, 1)] * sc.decodes + [(0, sc.prefill_len)] * sc.prefills
+    q_lens = [n for _, n in rows]
+    seq_lens = [c + n for c, n in rows]
+    per_req = max(-(-s // page) for s in seq_lens)
+    table = torch.arange(len(rows) * per_req, dtype=torch.int32).view(len(rows), per_req)
+    slots = []
+    for r, (c, n) in enumerate(rows):
+        slots += [int(table[r, p // page]) * page + p % page for p in range(c, c + n)]
+    t = sum(q_lens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    return Batch(
+        q=rnd(t, heads, head_dim).to(device), k=rnd(t, kv_heads, head_dim).to(device),
+        v=rnd(t, kv_heads, head_dim).to(device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=table.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_blocks=len(rows) * per_req + 1, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        ctx_k=[rnd(c, kv_heads, head_dim).to(device) for c, _ in rows],
+        ctx_v=[rnd(c, kv_heads, head_dim).to(device) for c, _ in rows],
+    )
+
+
+def _ctx_slots(b: Batch, r: int, page: int) -> torch.Tensor:
+    c = b.ctx_k[r].shape[0]
+    return torch.tensor([int(b.block_table[r, p // page]) * page + p % page for p in range(c)],
+                        dtype=torch.int64, device=b.q.device)
+
+
+def _cache_view(shape: tuple, stride_order: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A tensor of logical ``shape`` laid out physically in ``stride_order`` (as vLLM allocates)."""
+    physical = torch.zeros([shape[i] for i in stride_order], dtype=dtype, device=device)
+    return physical.permute(*[stride_order.index(i) for i in range(len(shape))])
+
+
+# -- the sides ------------------------------------------------------------------------------------
+def atom_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
+              device: str) -> Callable[[], torch.Tensor]:
+    """atom's impl as vLLM calls it; returns one step's call pair (output tensor)."""
+    from atom.patches import REGISTRY, Injection, apply
+    from atom.plugin import catalog
+
+    catalog.load()
+    for record in REGISTRY.select("vllm.attention"):
+        if isinstance(record, Injection):
+            apply(record, enabled=True)
+    from atom.models.attention.mha import PagedAttentionMetadata
+    from atom.plugin.vllm import compat
+    from atom.plugin.vllm.attention_mha import ATOMAttentionBackend, ATOMAttentionImpl
+
+    impl = ATOMAttentionImpl(heads, head_dim, head_dim ** -0.5, kv_heads, None, None, "auto", None, "decoder", None)
+    impl.process_weights_after_loading(dtype)
+    if compat.has_get_kv_cache_shape():  # <= 0.28: the shape atom's backend asked for
+        kv = torch.zeros(ATOMAttentionBackend.get_kv_cache_shape(b.num_blocks, page, kv_heads, head_dim),
+                         dtype=dtype, device=device)
+    else:  # >= 0.29: the logical [B, H, N, 2D] view in atom's first layout (token-major blocks)
+        kv = _cache_view((b.num_blocks, kv_heads, page, 2 * head_dim), (0, 2, 1, 3), dtype, device)
+    layer = SimpleNamespace()
+    for r in range(len(b.ctx_k)):
+        if b.ctx_k[r].shape[0]:
+            impl.do_kv_cache_update(layer, b.ctx_k[r], b.ctx_v[r], kv, _ctx_slots(b, r, page))
+    md = PagedAttentionMetadata(
+        num_actual_tokens=b.q.shape[0], num_reqs=b.seq_lens.shape[0], max_query_len=b.max_query_len,
+        max_seq_len=b.max_seq_len, query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
+        block_table=b.block_table, slot_mapping=b.slot_mapping)
+    out = torch.empty_like(b.q)
+
+    def call() -> torch.Tensor:
+        impl.do_kv_cache_update(layer, b.k, b.v, kv, b.slot_mapping)
+        return impl.forward(layer, b.q, b.k, b.v, kv, md, out)
+
+    return call
+
+
+def stock_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
+               device: str) -> Callable[[], torch.Tensor]:
+    """vLLM's FlashAttention impl as its layer calls it (GPU only)."""
+    from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
+                                                       FlashAttentionMetadata)
+
+    impl = FlashAttentionImpl(heads, head_dim, head_dim ** -0.5, kv_heads, None, None, "auto")
+    shape = FlashAttentionBackend.get_kv_cache_shape(b.num_blocks, page, kv_heads, head_dim)
+    try:
+        order = tuple(FlashAttentionBackend.get_kv_cache_stride_order())
+    except (AttributeError, NotImplementedError):
+        order = tuple(range(len(shape)))
+    kv = _cache_view(tuple(shape), order, dtype, device)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    layer = SimpleNamespace(_q_scale=one, _k_scale=one, _v_scale=one)
+    for r in range(len(b.ctx_k)):
+        if b.ctx_k[r].shape[0]:
+            impl.do_kv_cache_update(layer, b.ctx_k[r], b.ctx_v[r], kv, _ctx_slots(b, r, page))
+    md = FlashAttentionMetadata(
+        num_actual_tokens=b.q.shape[0], max_query_len=b.max_query_len, query_start_loc=b.query_start_loc,
+        max_seq_len=b.max_seq_len, seq_lens=b.seq_lens, block_table=b.block_table,
+        slot_mapping=b.slot_mapping, use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None,
+        prefix_kv_lens=None, suffix_kv_lens=None)
+    out = torch.empty_like(b.q)
+
+    def call() -> torch.Tensor:
+        impl.do_kv_cache_update(layer, b.k, b.v, kv, b.slot_mapping)
+        return impl.forward(layer, b.q, b.k, b.v, kv, md, out)
+
+    return call
+
+
+SIDES = {"atom": atom_side, "stock": stock_side}
+
+
+def reference(b: Batch) -> torch.Tensor:
+    """Causal attention of each row's new tokens over its context + new tokens, float32."""
+    outs, start = [], 0
+    group = b.q.shape[1] // b.k.shape[1]
+    for r in range(b.seq_lens.shape[0]):
+        n = int(b.query_start_loc[r + 1]) - int(b.query_start_loc[r])
+        k = torch.cat([b.ctx_k[r], b.k[start:start + n]]).float().repeat_interleave(group, 1)
+        v = torch.cat([b.ctx_v[r], b.v[start:start + n]]).float().repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", b.q[start:start + n].float(), k) * b.q.shape[-1] ** -0.5
+        c = k.shape[0] - n
+        keep = torch.arange(k.shape[0], device=s.device)[None, :] <= (c + torch.arange(n, device=s.device))[:, None]
+        s = s.masked_fill(~keep, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v))
+        start += n
+    return torch.cat(outs)
+
+
+def time_calls(call: Callable[[], Any], iters: int, repeats: int, sync: Callable[[], None]) -> dict:
+    """Median host and synced microseconds per call over ``repeats`` loops of ``iters`` calls."""
+    for _ in range(3):
+        call()
+    sync()
+    host, synced = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host.append(1e6 * (t1 - t0) / iters)
+        synced.append(1e6 * (t2 - t0) / iters)
+    return {"host_us": statistics.median(host), "host_us_range": [min(host), max(host)],
+            "synced_us": statistics.median(synced), "iters": iters, "repeats": repeats}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sides", default="atom,stock")
+    ap.add_argument("--label", default="", help="name of the atom side in the output (e.g. atom-old)")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, fp32 (a check of the script)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        dims, scenarios, dtype, device = SMOKE, SMOKE_SCENARIOS, torch.float32, "cpu"
+    else:
+        dims, scenarios, dtype, device = (dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, page=PAGE),
+                                          SCENARIOS, torch.bfloat16, "cuda")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dims": dims,
+                    "dtype": str(dtype), "scenarios": {}}
+    try:
+        import vllm
+        result["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    try:
+        import triton
+        n, t0 = 20000, time.perf_counter()
+        for _ in range(n):
+            triton.cdiv(1000, 16)
+        result["triton"] = {"version": triton.__version__, "cdiv_us": 1e6 * (time.perf_counter() - t0) / n}
+    except ImportError:
+        pass
+    for sc in scenarios:
+        b = build_batch(sc, **dims, dtype=dtype, device=device)
+        want = reference(b)
+        cell = result["scenarios"][sc.name] = {"tokens": int(b.q.shape[0]), "requests": int(b.seq_lens.shape[0])}
+        for side in args.sides.split(","):
+            name = (args.label or side) if side == "atom" else side
+            call = SIDES[side](b, **dims, dtype=dtype, device=device)
+            got = call().float()
+            err = (got - want).abs().max().item()
+            timing = time_calls(call, args.iters, args.repeats, sync)
+            cell[name] = dict(timing, max_abs_err=err)
+            print(f"{sc.name:16s} {name:10s} host {timing['host_us']:7.1f} us  synced {timing['synced_us']:7.1f} us"
+                  f"  (host range {timing['host_us_range'][0]:.1f}-{timing['host_us_range'][1]:.1f}; max |err| {err:.2e})",
+                  flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

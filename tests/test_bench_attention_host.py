@@ -1,0 +1,55 @@
+"""``bench/attention_host.py``: the batch it builds is a valid paged step, and atom's impl (the
+torch reference on this CPU) computes the attention the script checks each side against."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import attention_host as ah  # noqa: E402
+
+
+def test_batch_is_a_valid_paged_step():
+    sc = ah.Scenario("t", decodes=3, ctx=21, prefills=2, prefill_len=7)
+    b = ah.build_batch(sc, heads=4, kv_heads=2, head_dim=8, page=16, dtype=torch.float32, device="cpu")
+    assert b.query_start_loc.tolist() == [0, 1, 2, 3, 10, 17]
+    assert b.seq_lens.tolist() == [22, 22, 22, 7, 7]
+    assert (b.max_query_len, b.max_seq_len) == (7, 22)
+    ctx = [ah._ctx_slots(b, r, 16) for r in range(5)]
+    every = torch.cat([b.slot_mapping, *ctx])
+    assert every.unique().numel() == every.numel() == 3 * 22 + 2 * 7  # no slot written twice
+    assert int(every.max()) < b.num_blocks * 16
+    # each request's slots lie in its own blocks, its new tokens after its context
+    for r in range(5):
+        lo, hi = int(b.query_start_loc[r]), int(b.query_start_loc[r + 1])
+        own = set(b.block_table[r].tolist())
+        assert {int(s) // 16 for s in torch.cat([ctx[r], b.slot_mapping[lo:hi]])} <= own
+        positions = [int(s) % 16 + 16 * b.block_table[r].tolist().index(int(s) // 16) for s in b.slot_mapping[lo:hi]]
+        assert positions == list(range(int(b.seq_lens[r]) - (hi - lo), int(b.seq_lens[r])))
+
+
+def test_smoke_run_matches_the_reference(tmp_path):
+    out = tmp_path / "host.json"
+    assert ah.main(["--smoke", "--sides", "atom", "--iters", "2", "--repeats", "2", "--json", str(out)]) == 0
+    cell = json.loads(out.read_text())["scenarios"]["mixed-smoke"]
+    assert cell["tokens"] == 5 + 2 * 7 and cell["requests"] == 7
+    assert cell["atom"]["max_abs_err"] < 1e-4
+    assert cell["atom"]["host_us"] > 0 and cell["atom"]["synced_us"] >= cell["atom"]["host_us"]
+
+
+def test_reference_is_causal_attention():
+    """The check the sides are held to: a one-token row sees its whole context; the first token
+    of a prefill sees only itself (its output is its own value row)."""
+    sc = ah.Scenario("t", decodes=1, ctx=5, prefills=1, prefill_len=3)
+    b = ah.build_batch(sc, heads=2, kv_heads=1, head_dim=4, page=16, dtype=torch.float32, device="cpu")
+    want = ah.reference(b)
+    torch.testing.assert_close(want[1], b.v[1].expand(2, 4))
+    k = torch.cat([b.ctx_k[0], b.k[:1]])[:, 0]
+    v = torch.cat([b.ctx_v[0], b.v[:1]])[:, 0]
+    p = torch.softmax(b.q[0] @ k.T * 0.5, -1)
+    torch.testing.assert_close(want[0], p @ v)
