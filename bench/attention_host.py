@@ -258,6 +258,8 @@ def main(argv: list[str]) -> int:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dims": dims,
                     "dtype": str(dtype), "scenarios": {}}
+    import atom
+    result["atom_source"] = str(Path(atom.__file__).parent)  # which tree the atom side imported
     try:
         import vllm
         result["vllm"] = vllm.__version__
