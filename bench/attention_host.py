@@ -31,6 +31,7 @@ last runs inside full graphs in a served engine; here eager, for reference).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -205,6 +206,53 @@ def stock_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dt
 SIDES = {"atom": atom_side, "stock": stock_side}
 
 
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def stub_atom_kernels() -> None:
+    """Replace the kernels atom's eager MHA attention launches with no-ops (their warm-up, at
+    ``process_weights_after_loading``, then launches nothing either)."""
+    import atom.ops.attention_triton as at
+    import atom.ops.kv_cache_triton as kt
+
+    for mod, names in ((at, ("_prefill_kernel", "_decode_kernel", "_split_kv_reduce_kernel")),
+                       (kt, ("_reshape_and_cache_kernel",))):
+        for name in names:
+            if hasattr(mod, name):
+                setattr(mod, name, _NoLaunch())
+
+
+def launch_probe(iters: int, repeats: int) -> dict:
+    """Host microseconds per launch of a trivial Triton kernel taking 1 pointer, and taking 1
+    pointer + 31 integers (about what atom's attention kernels take), plus torch's ``add_`` as
+    a C++ op for scale."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def one(x_ptr):
+        tl.store(x_ptr + tl.program_id(0), 1.0)
+
+    @triton.jit
+    def many(x_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
+             a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, B: tl.constexpr, C: tl.constexpr):
+        tl.store(x_ptr + tl.program_id(0), (a0 + a30 + B + C).to(tl.float32))
+
+    x = torch.zeros(64, device="cuda")
+    ints = list(range(3, 34))
+    out = {}
+    for name, fn in (("triton_1_arg", lambda: one[(1,)](x)),
+                     ("triton_32_args", lambda: many[(1,)](x, *ints, B=4, C=8)),
+                     ("torch_add_", lambda: x.add_(1.0))):
+        out[name] = time_calls(fn, iters, repeats, torch.cuda.synchronize)["host_us"]
+        print(f"launch probe {name:16s} host {out[name]:6.1f} us", flush=True)
+    return out
+
+
 def reference(b: Batch) -> torch.Tensor:
     """Causal attention of each row's new tokens over its context + new tokens, float32."""
     outs, start = [], 0
@@ -248,6 +296,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, fp32 (a check of the script)")
+    ap.add_argument("--stub-kernels", action="store_true",
+                    help="atom's attention and cache-write launches become no-ops (after the warm-up): "
+                         "what remains is the Python around them (outputs are then wrong)")
+    ap.add_argument("--launch-probe", action="store_true",
+                    help="also time bare launches of a Triton kernel with 1 and with 32 arguments")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -273,6 +326,26 @@ def main(argv: list[str]) -> int:
         result["triton"] = {"version": triton.__version__, "cdiv_us": 1e6 * (time.perf_counter() - t0) / n}
     except ImportError:
         pass
+    if args.launch_probe and device == "cuda":
+        result["launch_probe"] = launch_probe(args.iters, args.repeats)
+    if args.stub_kernels:
+        stub_atom_kernels()
+        result["stubbed"] = True
+    ctx = contextlib.nullcontext()
+    if "stock" in args.sides.split(","):  # vLLM's impl reads the current config (cache layout)
+        from vllm.config import VllmConfig, set_current_vllm_config
+
+        ctx = set_current_vllm_config(VllmConfig())
+    with ctx:
+        run_scenarios(args, scenarios, dims, dtype, device, sync, result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def run_scenarios(args: argparse.Namespace, scenarios: tuple, dims: dict, dtype: torch.dtype, device: str,
+                  sync: Callable[[], None], result: dict) -> None:
     for sc in scenarios:
         b = build_batch(sc, **dims, dtype=dtype, device=device)
         want = reference(b)
@@ -287,10 +360,6 @@ def main(argv: list[str]) -> int:
             print(f"{sc.name:16s} {name:10s} host {timing['host_us']:7.1f} us  synced {timing['synced_us']:7.1f} us"
                   f"  (host range {timing['host_us_range'][0]:.1f}-{timing['host_us_range'][1]:.1f}; max |err| {err:.2e})",
                   flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
