@@ -53,3 +53,24 @@ def test_reference_is_causal_attention():
     v = torch.cat([b.ctx_v[0], b.v[:1]])[:, 0]
     p = torch.softmax(b.q[0] @ k.T * 0.5, -1)
     torch.testing.assert_close(want[0], p @ v)
+
+
+def test_stubbed_kernels_launch_nothing(monkeypatch):
+    """--stub-kernels: atom's attention and cache-write launches become no-ops, so what is timed is
+    the Python around them (the output is left as it was)."""
+    import atom.ops.attention_triton as at
+    import atom.ops.kv_cache_triton as kt
+
+    for mod, name in ((at, "_prefill_kernel"), (at, "_decode_kernel"), (at, "_split_kv_reduce_kernel"),
+                      (kt, "_reshape_and_cache_kernel")):
+        monkeypatch.setattr(mod, name, getattr(mod, name))  # put back after the test
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("ATOM_OPS_BACKEND", "paged_attention=triton,reshape_and_cache=triton")
+    sc = ah.Scenario("t", decodes=2, ctx=5, prefills=1, prefill_len=3)
+    b = ah.build_batch(sc, heads=4, kv_heads=2, head_dim=16, page=16, dtype=torch.float32, device="cpu")
+    call = ah.atom_side(b, heads=4, kv_heads=2, head_dim=16, page=16, dtype=torch.float32, device="cpu")
+    torch.testing.assert_close(call(), ah.reference(b), atol=1e-4, rtol=1e-4)  # the interpreted kernels
+    ah.stub_atom_kernels()
+    out = call()
+    out.fill_(7.0)
+    assert (call() == 7.0).all()  # nothing written any more
