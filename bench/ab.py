@@ -9,8 +9,9 @@ Every side is one offline vLLM engine in its own process (``bench/ab_worker.py``
 the environment once per process), all alive at once on the same GPU (``--gpu-util`` each), so
 that the sides see the same thermal and power state. The sides then take turns: round r runs a
 measurement window (``--window`` seconds of back-to-back batches of ``--conc`` fresh random
-prompts, ``--in`` tokens in, ``--out`` out, greedy) on each side, starting with a different side
-each round. ``--launches N`` repeats this N times with freshly started engines (the protocol's
+prompts, ``--in`` tokens in, ``--out`` out, greedy; with ``--arrivals continuous``, ``--conc``
+requests kept in flight, so that new prompts arrive while others decode, as in online serving)
+on each side, starting with a different side each round. ``--launches N`` repeats this N times with freshly started engines (the protocol's
 >= 3 launches per side in one command; seeds differ per launch, every window counts in the
 interval). A side's ``KEY=VALUE,KEY=VALUE`` sets its environment (``NAME:`` for none).
 
@@ -196,6 +197,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--engine", default="{}", help="JSON engine arguments for every side")
+    p.add_argument("--arrivals", choices=("batch", "continuous"), default="batch",
+                   help="batch: each window submits batches of C requests together (they finish together: "
+                        "nearly every step is pure decode); continuous: C requests always in flight, a "
+                        "finished one replaced at once (most steps mix a prefill into the decodes, as "
+                        "online serving does; bench/ab_worker.py continuous_window)")
     p.add_argument("--label", default="", help="model/cell label for the record")
     p.add_argument("--logdir", default="/tmp/ab-logs")
     p.add_argument("--json")
@@ -204,7 +210,7 @@ def main(argv: list[str]) -> int:
     concs = [int(c) for c in str(args.conc).split(",")]
     spec = {"model": args.model, "gpu_util": args.gpu_util, "conc": max(concs), "in_len": args.in_len,
             "out_len": args.out_len, "vocab": args.vocab, "engine": json.loads(args.engine),
-            "max_model_len": args.max_model_len or args.in_len + args.out_len + 16}
+            "max_model_len": args.max_model_len or args.in_len + args.out_len + 16, "arrivals": args.arrivals}
     logdir = Path(args.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
     order = [name for name, _ in sides]
@@ -245,8 +251,10 @@ def main(argv: list[str]) -> int:
                         res["clocks"] = clocks.window(t0, time.time())
                         res["launch"] = launch + 1
                         results[conc][name].append(res)
+                        unit = (f"{res['steps']} steps, {res['mixed_steps']} mixed" if "steps" in res
+                                else f"{res['batches']} batches")
                         print(f"[ab] launch {launch + 1} round {r + 1} C={conc} {name:<10} {res['tok_s']:9.0f} tok/s "
-                              f"over {res['seconds']:5.1f} s ({res['batches']} batches) sm "
+                              f"over {res['seconds']:5.1f} s ({unit}) sm "
                               f"{res['clocks'].get('sm_mhz_median')} MHz throttled "
                               f"{res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
         finally:
@@ -310,7 +318,7 @@ def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[s
     record: dict[str, Any] = {"gpu": gpu_name(),
         "label": args.label, "model": args.model, "in": args.in_len, "out": args.out_len, "conc": conc,
         "rounds": args.rounds, "window_s": args.window, "launches_per_side": args.launches, "reference": ref,
-        "warmup_s": args.warmup,
+        "warmup_s": args.warmup, "arrivals": args.arrivals,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sides": {},
     }
     print(f"\n{args.label or args.model}: {args.in_len}/{args.out_len} at C={conc}, {args.launches} launch(es) x "

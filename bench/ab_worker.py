@@ -8,6 +8,11 @@ on stdin: ``{"seed": S, "seconds": W[, "conc": C]}`` runs batches of ``conc`` fr
 ``S``, ``S+1``, ...) of ``in_len`` tokens x ``out_len`` new tokens, greedy, ``ignore_eos``, until
 ``W`` seconds have passed, and prints ``RESULT {...}``: output tokens, seconds, tok/s, batches,
 and the first 32 tokens of the first 8 prompts of the first batch (for agreement across sides).
+
+With ``"arrivals": "continuous"`` in the spec a window keeps ``conc`` requests in flight instead
+(:func:`continuous_window`): a finished request is replaced at once, so new prompts arrive while
+others decode and most steps mix a prefill into the decode batch, as in online serving (batches of
+``conc`` submitted together instead finish together: their steps are nearly all pure decode).
 """
 
 from __future__ import annotations
@@ -45,6 +50,80 @@ def versions() -> dict:
     return out
 
 
+def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, vocab: int) -> dict:
+    """``seconds`` of load with ``conc`` requests always in flight, on vLLM's ``LLMEngine``.
+
+    A first wave of ``conc`` requests with lengths spread over 1..``out_len`` new tokens starts the
+    window (unmeasured), so that afterwards about ``conc / out_len`` requests finish per step and as
+    many new ones (``out_len`` new tokens each) take their places: every step then carries a few
+    prefills next to the running decodes. The window is timed from the step where the last
+    first-wave request finished; tokens are counted per step (``RequestOutputKind.DELTA``). At the
+    end the requests still running are aborted. ``mixed_steps``: measured steps that followed an
+    arrival (their batch held a new prompt)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    rng = random.Random(seed)
+    out_len = int(spec["out_len"])
+    live: set[str] = set()
+    first: dict[int, list[int]] = {}
+    added = 0
+
+    def add(max_tokens: int) -> None:
+        nonlocal added
+        prompt = {"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(spec["in_len"])]}
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        live.add(engine.add_request(f"ab{seed}_{added}", prompt, params))
+        added += 1
+
+    def index(request_id: str) -> int:  # the k of "ab{seed}_{k}" (vLLM may append its own suffix)
+        return int(request_id.split("_", 1)[1].split("-", 1)[0])
+
+    for i in range(conc):
+        add(1 + (i * out_len) // conc)
+    wave = conc  # first-wave requests still running
+    tokens = steps = mixed = requests = 0
+    t0 = t_end = None
+    arrived = 0
+    while True:
+        outs = engine.step()
+        now = time.perf_counter()
+        if t0 is not None:
+            steps += 1
+            mixed += arrived > 0
+        arrived = 0
+        for o in outs:
+            new = list(o.outputs[0].token_ids) if o.outputs else []
+            k = index(o.request_id)
+            if k < 8:
+                first.setdefault(k, []).extend(new)
+            if t0 is not None:
+                tokens += len(new)
+            if o.finished:
+                live.discard(o.request_id)
+                if t0 is not None:
+                    requests += 1
+                if k < conc:
+                    wave -= 1
+                if t0 is None or now - t0 < seconds:
+                    add(out_len)
+                    arrived += 1
+        if t0 is None and wave == 0:
+            t0 = now  # the ramp is over: measure from here
+        elif t0 is not None and now - t0 >= seconds and steps > 0:
+            t_end = now
+            break
+    if live:
+        engine.abort_request(sorted(live))
+    while engine.has_unfinished_requests():
+        engine.step()
+    elapsed = t_end - t0
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "batches": steps, "steps": steps,
+            "mixed_steps": mixed, "requests": requests,
+            "first": [first.get(k, [])[:32] for k in range(min(8, conc))]}
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     # apply_model ships a function to vLLM's engine process (its default multi-process engine):
@@ -68,6 +147,10 @@ def main(argv: list[str]) -> int:
         cmd = json.loads(line)
         seed, deadline = int(cmd["seed"]), float(cmd["seconds"])
         conc = int(cmd.get("conc", spec["conc"]))  # at most the engine's max_num_seqs
+        if spec.get("arrivals") == "continuous":
+            res = continuous_window(llm.llm_engine, spec, conc, seed, deadline, vocab)
+            print("RESULT " + json.dumps(res), flush=True)
+            continue
         tokens, elapsed, batches, first = 0, 0.0, 0, None
         while elapsed < deadline or batches == 0:
             rng = random.Random(seed + batches)

@@ -64,7 +64,9 @@
 #            start only those sides (AB_SWITCH_SIDE's name included), e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
 #            MoE; the sides start one after another). AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side, atom's
-#            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0). -> $OUT/ab_<model>[_c<C>].json, .txt, .logs.txt
+#            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0). AB_ARRIVALS=continuous: C requests
+#            kept in flight instead of batches of C (most steps mixed, as in online serving; bench/ab.py --arrivals),
+#            files suffixed -cont. -> $OUT/ab_<model>[-cont][_c<C>].json, .txt, .logs.txt
 #   archs    issue #17: the architectures atom serves that had not run on a GPU, each of ARCHS (default
 #            llama,mixtral; also glm4moe, gptoss: bench/e2e_models.py, random bf16 weights at Llama-3.1-8B,
 #            Mixtral-8x7B, GLM-4.5-Air, GPT-OSS-20B dims, 4 / 2 / 3 / 4 layers; AB_MODEL takes these names too)
@@ -211,8 +213,10 @@ for step in "$@"; do
                     case ",$AB_SIDES," in *",${sides[i]%%:*},"*) keep+=(--side "${sides[i]}") ;; esac; done
                 sides=("${keep[@]}")
             fi
+            arrivals="${AB_ARRIVALS:-batch}"; m_label="$m"; [ "$arrivals" = continuous ] && m="$m-cont"
             rm -rf "/tmp/ab-logs-$m"  # this command's launches only
-            timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m-L$l" "${sides[@]}" \
+            timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m_label-L$l" "${sides[@]}" \
+                --arrivals "$arrivals" \
                 --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" \
                 --window "${AB_WINDOW:-15}" --warmup "${AB_WARMUP:-5}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
                 --engine "$engine" \

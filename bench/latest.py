@@ -121,7 +121,10 @@ def cell_verdict(point: float, low: float, high: float, launches: int) -> str:
 
 
 def _cell(rec: dict) -> str:
-    return f"{rec['in']}/{rec['out']}@{rec['conc']}"
+    """IN/OUT@C; records whose windows kept C requests in flight (``bench/ab.py --arrivals
+    continuous``) are cells of their own, never pooled with batch-arrival ones."""
+    cont = " continuous" if rec.get("arrivals") == "continuous" else ""
+    return f"{rec['in']}/{rec['out']}@{rec['conc']}{cont}"
 
 
 def _facts(rec: dict, entry: dict) -> tuple[str, dict, list[str]]:

