@@ -328,13 +328,21 @@ def test_post_load_hook_warms_up_the_kernels_for_this_layer(monkeypatch, kv_cach
 
 def test_cache_views_are_kept_per_cache_tensor():
     """The NHD views are made once per cache tensor (outside CUDA graphs they are host time per
-    layer and step), and a different tensor handed to the layer gets its own views: the write
-    lands in the tensor of this call, never in a kept view of an earlier one."""
+    layer and step), and anything else gets its own: another tensor, the same tensor re-pointed at
+    new memory, another head size. The write lands in the memory of this call, never in a kept
+    view of an earlier one; and the kept views do not keep a cache alive that vLLM lets go."""
+    import gc
+    import weakref
+
     from atom.plugin.vllm.attention import _cache_views
 
-    impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 1 / math.sqrt(HEAD), NUM_KV_HEADS, None, None, "auto",
-                             None, "decoder", None)
-    impl.process_weights_after_loading(torch.float32)
+    def make_impl(head):
+        impl = ATOMAttentionImpl(NUM_HEADS, head, 1 / math.sqrt(head), NUM_KV_HEADS, None, None, "auto",
+                                 None, "decoder", None)
+        impl.process_weights_after_loading(torch.float32)
+        return impl
+
+    impl = make_impl(HEAD)
     layout = "get_kv_cache_shape" if compat.has_get_kv_cache_shape() else "LBNHC"
 
     def cache():
@@ -342,13 +350,27 @@ def test_cache_views_are_kept_per_cache_tensor():
             return torch.zeros(ATOMAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD))
         return _vllm_cache(layout).zero_()
 
+    def written(kv, key, value):
+        k, v = compat.kv_cache_as_nhd(kv, HEAD)
+        return torch.equal(k[0, 3], key[0]) and torch.equal(v[1, 1], value[1])
+
+    key, value = torch.randn(2, NUM_KV_HEADS, HEAD), torch.randn(2, NUM_KV_HEADS, HEAD)
+    slots = torch.tensor([3, 17])
     first, second = cache(), cache()
     views = _cache_views(impl, first)
     assert all(a is b for a, b in zip(_cache_views(impl, first), views))  # kept
-    key, value = torch.randn(2, NUM_KV_HEADS, HEAD), torch.randn(2, NUM_KV_HEADS, HEAD)
-    impl.do_kv_cache_update(LAYER, key, value, second, torch.tensor([3, 17]))
-    k2, v2 = compat.kv_cache_as_nhd(second, HEAD)
-    torch.testing.assert_close(k2[0, 3], key[0])
-    torch.testing.assert_close(v2[1, 1], value[1])
-    k1, _ = compat.kv_cache_as_nhd(first, HEAD)
-    assert not k1.any()  # nothing written into the earlier tensor
+    impl.do_kv_cache_update(LAYER, key, value, second, slots)
+    assert written(second, key, value) and not compat.kv_cache_as_nhd(first, HEAD)[0].any()
+    # the same tensor object re-pointed at other memory: the write follows it
+    if layout != "get_kv_cache_shape":
+        moved = torch.zeros(second.shape[0], second.shape[2], second.shape[1], second.shape[3]).permute(0, 2, 1, 3)
+        second.set_(moved.untyped_storage(), 0, moved.shape, moved.stride())
+        impl.do_kv_cache_update(LAYER, key, value, second, slots)
+        assert written(moved, key, value)
+        # a layer of another head size reading the same tensor gets views of its own size
+        assert _cache_views(make_impl(HEAD // 2), second)[0].shape[-1] == HEAD // 2
+    # nothing keeps the caches alive
+    gone = [weakref.ref(first), weakref.ref(second)]
+    del first, second, views
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]

@@ -228,15 +228,17 @@ def _cache_views(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch
     """NHD key/value views of the tensor vLLM binds to the layer (fp8 caches as float8_e4m3fn).
 
     vLLM hands a layer the same cache tensor at every step, so the views are made once and kept
-    with that tensor and its address (a re-bound or re-allocated cache makes them again): outside
-    CUDA graphs (mixed prefill + decode steps run attention eagerly) this runs twice per layer and
-    step, and building the views (release check, transpose, two slices) costs ~8 us of host time
-    each time."""
-    memo = getattr(impl, "_kv_views", None)
-    if memo is not None and memo[0] is kv_cache and memo[1] == kv_cache.data_ptr():
-        return memo[2]
+    on that tensor (with the layer's head size and cache dtype, and the tensor's address: a
+    re-bound or re-allocated cache gets new ones). Kept on the tensor rather than on the impl, they
+    never outlive it: a cache vLLM drops is freed as before. Outside CUDA graphs (mixed prefill +
+    decode steps run attention eagerly) this runs twice per layer and step, and building the views
+    (release check, transpose, two slices) costs ~8 us of host time each time."""
+    key = (impl.head_size, impl.fp8_cache, kv_cache.data_ptr())
+    memo = getattr(kv_cache, "_atom_nhd_views", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
     views = impl.fp8_views(*compat.kv_cache_as_nhd(kv_cache, impl.head_size))
-    impl._kv_views = (kv_cache, kv_cache.data_ptr(), views)
+    kv_cache._atom_nhd_views = (key, views)
     return views
 
 
