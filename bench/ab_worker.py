@@ -74,11 +74,13 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
         prompt = {"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(spec["in_len"])]}
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                 output_kind=RequestOutputKind.DELTA)
-        live.add(engine.add_request(f"ab{seed}_{added}", prompt, params))
+        request_id = f"ab{seed}_{added}"
+        engine.add_request(request_id, prompt, params)  # returns vLLM's internal id (ours + a suffix)
+        live.add(request_id)  # outputs carry ours, and abort_request takes ours
         added += 1
 
-    def index(request_id: str) -> int:  # the k of "ab{seed}_{k}" (vLLM may append its own suffix)
-        return int(request_id.split("_", 1)[1].split("-", 1)[0])
+    def index(request_id: str) -> int:  # the k of "ab{seed}_{k}"
+        return int(request_id.split("_", 1)[1])
 
     for i in range(conc):
         add(1 + (i * out_len) // conc)
@@ -114,13 +116,14 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
         elif t0 is not None and now - t0 >= seconds and steps > 0:
             t_end = now
             break
+    aborted = len(live)
     if live:
         engine.abort_request(sorted(live))
     while engine.has_unfinished_requests():
         engine.step()
     elapsed = t_end - t0
     return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "batches": steps, "steps": steps,
-            "mixed_steps": mixed, "requests": requests,
+            "mixed_steps": mixed, "requests": requests, "aborted": aborted,
             "first": [first.get(k, [])[:32] for k in range(min(8, conc))]}
 
 
