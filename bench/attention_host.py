@@ -25,6 +25,8 @@ last runs inside full graphs in a served engine; here eager, for reference).
 
     python bench/attention_host.py --json /tmp/out/attention_host.json            # GPU
     PYTHONPATH=/tmp/atom-old:$PYTHONPATH python bench/attention_host.py --sides atom --label atom-old
+    python bench/attention_host.py --sides atom --stub-kernels --label atom-python  # the Python alone
+    python bench/attention_host.py --launch-probe ...                              # + bare Triton launches
     python bench/attention_host.py --smoke --sides atom                             # CPU check
 """
 
