@@ -84,6 +84,7 @@ class Batch:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     num_blocks: int
+    page: int
     max_query_len: int
     max_seq_len: int
     # every request's cached context (keys / values of its first seq_len - q_len tokens)
@@ -116,14 +117,15 @@ def build_batch(sc: Scenario, heads: int, kv_heads: int, head_dim: int, page: in
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_table=table.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        num_blocks=len(rows) * per_req + 1, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        num_blocks=len(rows) * per_req + 1, page=page, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
         ctx_k=[rnd(c, kv_heads, head_dim).to(device) for c, _ in rows],
         ctx_v=[rnd(c, kv_heads, head_dim).to(device) for c, _ in rows],
     )
 
 
-def _ctx_slots(b: Batch, r: int, page: int) -> torch.Tensor:
-    c = b.ctx_k[r].shape[0]
+def _ctx_slots(b: Batch, r: int) -> torch.Tensor:
+    """Slots of request ``r``'s cached context (its first ``seq_len - q_len`` tokens)."""
+    c, page = b.ctx_k[r].shape[0], b.page
     return torch.tensor([int(b.block_table[r, p // page]) * page + p % page for p in range(c)],
                         dtype=torch.int64, device=b.q.device)
 
@@ -159,7 +161,7 @@ def atom_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dty
     layer = SimpleNamespace()
     for r in range(len(b.ctx_k)):
         if b.ctx_k[r].shape[0]:
-            impl.do_kv_cache_update(layer, b.ctx_k[r], b.ctx_v[r], kv, _ctx_slots(b, r, page))
+            impl.do_kv_cache_update(layer, b.ctx_k[r], b.ctx_v[r], kv, _ctx_slots(b, r))
     md = PagedAttentionMetadata(
         num_actual_tokens=b.q.shape[0], num_reqs=b.seq_lens.shape[0], max_query_len=b.max_query_len,
         max_seq_len=b.max_seq_len, query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
@@ -190,7 +192,7 @@ def stock_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dt
     layer = SimpleNamespace(_q_scale=one, _k_scale=one, _v_scale=one)
     for r in range(len(b.ctx_k)):
         if b.ctx_k[r].shape[0]:
-            impl.do_kv_cache_update(layer, b.ctx_k[r], b.ctx_v[r], kv, _ctx_slots(b, r, page))
+            impl.do_kv_cache_update(layer, b.ctx_k[r], b.ctx_v[r], kv, _ctx_slots(b, r))
     md = FlashAttentionMetadata(
         num_actual_tokens=b.q.shape[0], max_query_len=b.max_query_len, query_start_loc=b.query_start_loc,
         max_seq_len=b.max_seq_len, seq_lens=b.seq_lens, block_table=b.block_table,
@@ -215,17 +217,19 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def stub_atom_kernels() -> None:
-    """Replace the kernels atom's eager MHA attention launches with no-ops (their warm-up, at
-    ``process_weights_after_loading``, then launches nothing either)."""
-    import atom.ops.attention_triton as at
-    import atom.ops.kv_cache_triton as kt
+#: (module, kernel) of every Triton kernel atom's eager MHA attention launches
+ATTENTION_KERNELS = tuple(("atom.ops.attention_triton", k) for k in ("_prefill_kernel", "_decode_kernel",
+                                                                     "_split_kv_reduce_kernel")) + \
+    (("atom.ops.kv_cache_triton", "_reshape_and_cache_kernel"),)
 
-    for mod, names in ((at, ("_prefill_kernel", "_decode_kernel", "_split_kv_reduce_kernel")),
-                       (kt, ("_reshape_and_cache_kernel",))):
-        for name in names:
-            if hasattr(mod, name):
-                setattr(mod, name, _NoLaunch())
+
+def stub_atom_kernels() -> None:
+    """Replace :data:`ATTENTION_KERNELS` with no-ops (their warm-up, at
+    ``process_weights_after_loading``, then launches nothing either)."""
+    import importlib
+
+    for module, name in ATTENTION_KERNELS:
+        setattr(importlib.import_module(module), name, _NoLaunch())
 
 
 def launch_probe(iters: int, repeats: int) -> dict:
@@ -256,20 +260,22 @@ def launch_probe(iters: int, repeats: int) -> dict:
 
 
 def reference(b: Batch) -> torch.Tensor:
-    """Causal attention of each row's new tokens over its context + new tokens, float32."""
-    outs, start = [], 0
-    group = b.q.shape[1] // b.k.shape[1]
-    for r in range(b.seq_lens.shape[0]):
-        n = int(b.query_start_loc[r + 1]) - int(b.query_start_loc[r])
-        k = torch.cat([b.ctx_k[r], b.k[start:start + n]]).float().repeat_interleave(group, 1)
-        v = torch.cat([b.ctx_v[r], b.v[start:start + n]]).float().repeat_interleave(group, 1)
-        s = torch.einsum("qhd,khd->hqk", b.q[start:start + n].float(), k) * b.q.shape[-1] ** -0.5
-        c = k.shape[0] - n
-        keep = torch.arange(k.shape[0], device=s.device)[None, :] <= (c + torch.arange(n, device=s.device))[:, None]
-        s = s.masked_fill(~keep, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v))
-        start += n
-    return torch.cat(outs)
+    """The batch's attention in float32 by atom's torch reference
+    (:func:`atom.ops.attention.paged_attention_torch`) over a float32 NHD cache holding every
+    request's context and new tokens, written by the cache op's reference
+    (:func:`atom.ops.kv_cache.cache_reference_`)."""
+    from atom.ops.attention import paged_attention_torch
+    from atom.ops.kv_cache import cache_reference_
+
+    kc = torch.zeros(b.num_blocks, b.page, *b.k.shape[1:], device=b.q.device)
+    vc = torch.zeros_like(kc)
+    for r in range(len(b.ctx_k)):
+        for src, cache in ((b.ctx_k[r], kc), (b.ctx_v[r], vc)):
+            cache_reference_(src.float(), cache, _ctx_slots(b, r), None)
+    for src, cache in ((b.k, kc), (b.v, vc)):
+        cache_reference_(src.float(), cache, b.slot_mapping, None)
+    return paged_attention_torch(b.q.float(), kc, vc, b.block_table, b.seq_lens, b.query_start_loc,
+                                 b.max_query_len, b.max_seq_len, b.q.shape[-1] ** -0.5)
 
 
 def time_calls(call: Callable[[], Any], iters: int, repeats: int, sync: Callable[[], None]) -> dict:

@@ -20,7 +20,7 @@ def test_batch_is_a_valid_paged_step():
     assert b.query_start_loc.tolist() == [0, 1, 2, 3, 10, 17]
     assert b.seq_lens.tolist() == [22, 22, 22, 7, 7]
     assert (b.max_query_len, b.max_seq_len) == (7, 22)
-    ctx = [ah._ctx_slots(b, r, 16) for r in range(5)]
+    ctx = [ah._ctx_slots(b, r) for r in range(5)]
     every = torch.cat([b.slot_mapping, *ctx])
     assert every.unique().numel() == every.numel() == 3 * 22 + 2 * 7  # no slot written twice
     assert int(every.max()) < b.num_blocks * 16
@@ -58,11 +58,10 @@ def test_reference_is_causal_attention():
 def test_stubbed_kernels_launch_nothing(monkeypatch):
     """--stub-kernels: atom's attention and cache-write launches become no-ops, so what is timed is
     the Python around them (the output is left as it was)."""
-    import atom.ops.attention_triton as at
-    import atom.ops.kv_cache_triton as kt
+    import importlib
 
-    for mod, name in ((at, "_prefill_kernel"), (at, "_decode_kernel"), (at, "_split_kv_reduce_kernel"),
-                      (kt, "_reshape_and_cache_kernel")):
+    for module, name in ah.ATTENTION_KERNELS:
+        mod = importlib.import_module(module)
         monkeypatch.setattr(mod, name, getattr(mod, name))  # put back after the test
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("ATOM_OPS_BACKEND", "paged_attention=triton,reshape_and_cache=triton")
