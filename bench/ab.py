@@ -13,7 +13,8 @@ prompts, ``--in`` tokens in, ``--out`` out, greedy; with ``--arrivals continuous
 requests kept in flight, so that new prompts arrive while others decode, as in online serving)
 on each side, starting with a different side each round. ``--launches N`` repeats this N times
 with freshly started engines (the protocol's >= 3 launches per side in one command; seeds differ
-per launch, every window counts in the interval). A side's ``KEY=VALUE,KEY=VALUE`` sets its environment (``NAME:`` for none).
+per launch, every window counts in the interval). A side's ``KEY=VALUE,KEY=VALUE`` sets its
+environment (``NAME:`` for none).
 
 Reported per side: the median output tok/s over the rounds and its range; per non-reference
 side the ratio of medians to the first side (the reference) with a bootstrap 95 % interval over

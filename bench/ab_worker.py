@@ -65,7 +65,7 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
 
     rng = random.Random(seed)
     out_len = int(spec["out_len"])
-    live: set[str] = set()
+    live: dict[str, int] = {}  # our request id -> its index k (the order it was added in)
     first: dict[int, list[int]] = {}
     added = 0
 
@@ -76,11 +76,8 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
                                 output_kind=RequestOutputKind.DELTA)
         request_id = f"ab{seed}_{added}"
         engine.add_request(request_id, prompt, params)  # returns vLLM's internal id (ours + a suffix)
-        live.add(request_id)  # outputs carry ours, and abort_request takes ours
+        live[request_id] = added  # outputs carry ours, and abort_request takes ours
         added += 1
-
-    def index(request_id: str) -> int:  # the k of "ab{seed}_{k}"
-        return int(request_id.split("_", 1)[1])
 
     for i in range(conc):
         add(1 + (i * out_len) // conc)
@@ -95,15 +92,15 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
             steps += 1
             mixed += arrived > 0
         arrived = 0
-        for o in outs:
-            new = list(o.outputs[0].token_ids) if o.outputs else []
-            k = index(o.request_id)
+        for o in outs:  # per step and running request: keep this loop light
+            new = o.outputs[0].token_ids if o.outputs else ()
+            k = live[o.request_id]
             if k < 8:
                 first.setdefault(k, []).extend(new)
             if t0 is not None:
                 tokens += len(new)
             if o.finished:
-                live.discard(o.request_id)
+                del live[o.request_id]
                 if t0 is not None:
                     requests += 1
                 if k < conc:
@@ -122,8 +119,7 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
     while engine.has_unfinished_requests():
         engine.step()
     elapsed = t_end - t0
-    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "batches": steps, "steps": steps,
-            "mixed_steps": mixed, "requests": requests, "aborted": aborted,
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "steps": steps, "mixed_steps": mixed, "requests": requests, "aborted": aborted,
             "first": [first.get(k, [])[:32] for k in range(min(8, conc))]}
 
 
