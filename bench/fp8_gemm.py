@@ -44,6 +44,8 @@ def hbm() -> float:
     """The current GPU's HBM bandwidth in bytes/s (:data:`HBM_BY_GPU`), for the tables' % of HBM."""
     name = torch.cuda.get_device_name()
     return next((bw for key, bw in HBM_BY_GPU.items() if key in name), HBM_DEFAULT)
+
+
 FP8_PEAK = 989e12
 BF16_PEAK = 495e12
 BLOCK = (128, 128)
