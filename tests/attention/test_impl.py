@@ -345,9 +345,11 @@ def test_cache_views_are_kept_per_cache_tensor():
     impl = make_impl(HEAD)
     layout = "get_kv_cache_shape" if compat.has_get_kv_cache_shape() else "LBNHC"
 
-    def cache():
+    def cache(root=False):  # root: a tensor that is not a view (vLLM's CPU caches are such)
         if layout == "get_kv_cache_shape":
             return torch.zeros(ATOMAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD))
+        if root:
+            return torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK, 2 * HEAD)
         return _vllm_cache(layout).zero_()
 
     def written(kv, key, value):
@@ -356,7 +358,8 @@ def test_cache_views_are_kept_per_cache_tensor():
 
     key, value = torch.randn(2, NUM_KV_HEADS, HEAD), torch.randn(2, NUM_KV_HEADS, HEAD)
     slots = torch.tensor([3, 17])
-    first, second = cache(), cache()
+    first, second = cache(root=True), cache()
+    assert not first._is_view()
     views = _cache_views(impl, first)
     assert all(a is b for a, b in zip(_cache_views(impl, first), views))  # kept
     impl.do_kv_cache_update(LAYER, key, value, second, slots)
@@ -369,8 +372,14 @@ def test_cache_views_are_kept_per_cache_tensor():
         assert written(moved, key, value)
         # a layer of another head size reading the same tensor gets views of its own size
         assert _cache_views(make_impl(HEAD // 2), second)[0].shape[-1] == HEAD // 2
-    # nothing keeps the caches alive
+    # nothing keeps the caches, or their memory, alive: not the views kept on them
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    assert hasattr(first, "_atom_nhd_views") and hasattr(second, "_atom_nhd_views")
     gone = [weakref.ref(first), weakref.ref(second)]
+    memory = [StorageWeakRef(first.untyped_storage()), StorageWeakRef(second.untyped_storage())]
     del first, second, views
+    moved = None  # (second's memory, where it was re-pointed)
     gc.collect()
     assert [ref() for ref in gone] == [None, None]
+    assert [ref.expired() for ref in memory] == [True, True]

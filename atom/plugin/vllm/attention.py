@@ -232,12 +232,17 @@ def _cache_views(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch
     re-bound or re-allocated cache gets new ones). Kept on the tensor rather than on the impl, they
     never outlive it: a cache vLLM drops is freed as before. Outside CUDA graphs (mixed prefill +
     decode steps run attention eagerly) this runs twice per layer and step, and building the views
-    (release check, transpose, two slices) costs ~8 us of host time each time."""
+    (release check, transpose, two slices) costs ~8 us of host time each time.
+
+    The views are taken of a detached alias (same memory), never of the tensor itself: a view
+    holds its base's C++ tensor, which keeps the base's Python object, and with it this
+    attribute, alive; a cache tensor that is not itself a view (vLLM's CPU caches) would then
+    hold itself forever, and every engine torn down in a process would leak its whole cache."""
     key = (impl.head_size, impl.fp8_cache, kv_cache.data_ptr())
     memo = getattr(kv_cache, "_atom_nhd_views", None)
     if memo is not None and memo[0] == key:
         return memo[1]
-    views = impl.fp8_views(*compat.kv_cache_as_nhd(kv_cache, impl.head_size))
+    views = impl.fp8_views(*compat.kv_cache_as_nhd(kv_cache.detach(), impl.head_size))
     kv_cache._atom_nhd_views = (key, views)
     return views
 
