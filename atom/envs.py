@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["EnvError", "EnvVar", "VARIABLES", "get", "is_set", "set_values", "OPS_BACKENDS",
+__all__ = ["EnvError", "EnvVar", "VARIABLES", "get", "is_set", "raw", "set_values", "OPS_BACKENDS",
            "COMPILE_ELEMENTWISE", "FP8_HOST_GEMMS", "FP8_HOST_GEMMS_SMALL", "MLA_HOST_DECODES"]
 
 
@@ -393,6 +393,25 @@ def get(name: str, environ: "dict[str, str] | None" = None) -> Any:
     except KeyError:
         raise AttributeError(f"unknown atom environment variable {name!r}") from None
     return var.read(environ)
+
+
+_ENVIRON_TYPE = type(os.environ)
+_ENCODED_NAMES: dict[str, Any] = {}
+
+
+def raw(name: str) -> "str | None":
+    """The live value of any environment variable (None when unset), unparsed: ``os.environ.get``
+    for hot paths. Reads the environment's own backing mapping, which every ``os.environ`` write
+    updates, so a change is seen at the next call; an unset name costs ~0.07 us instead of the
+    ~0.5 us of ``os.environ.get`` (its ``KeyError`` path). The dispatcher reads two per op call."""
+    env = os.environ
+    if type(env) is not _ENVIRON_TYPE:  # replaced (by a test, say): the plain read
+        return env.get(name)
+    key = _ENCODED_NAMES.get(name)
+    if key is None:
+        key = _ENCODED_NAMES[name] = env.encodekey(name)
+    value = env._data.get(key)
+    return None if value is None else env.decodevalue(value)
 
 
 def is_set(name: str) -> bool:

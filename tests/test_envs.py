@@ -44,6 +44,30 @@ def test_read_at_access_time_not_import(monkeypatch):
     assert envs.get("ATOM_DISABLE_VLLM_PLUGIN") is True
 
 
+def test_raw_reads_the_live_environment_as_os_environ_get_does(monkeypatch):
+    """envs.raw (the dispatcher's per-call read) sees every kind of change at once, unset names
+    as None, and falls back to the plain read where os.environ was replaced by a mapping."""
+    import os
+    from unittest import mock
+
+    name = "ATOM_TEST_RAW_READ"
+    monkeypatch.delenv(name, raising=False)
+    assert envs.raw(name) is None
+    monkeypatch.setenv(name, "triton")
+    assert envs.raw(name) == "triton"
+    os.environ[name] = "caf\u00e9,x=1"  # written directly; non-ASCII round-trips
+    assert envs.raw(name) == "caf\u00e9,x=1"
+    with mock.patch.dict(os.environ, {name: "torch"}):
+        assert envs.raw(name) == "torch"
+    assert envs.raw(name) == "caf\u00e9,x=1"  # restored
+    monkeypatch.delenv(name)
+    assert envs.raw(name) is None
+    for key, value in list(os.environ.items())[:50]:
+        assert envs.raw(key) == value
+    monkeypatch.setattr(os, "environ", {name: "replaced"})
+    assert envs.raw(name) == "replaced"
+
+
 def test_disabled_patches_list(monkeypatch):
     monkeypatch.setenv("ATOM_DISABLED_PATCHES", " a.b , c-d,,* ")
     assert envs.ATOM_DISABLED_PATCHES == ("a.b", "c-d", "*")

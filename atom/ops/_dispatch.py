@@ -30,8 +30,8 @@ op's fails at import, not on the first call that hits the difference.
 What does not depend on a call's arguments (the environment, which packages import, the device
 type, the first tensor's dtype against a backend's ``dtypes``) is decided once per (device type,
 dtype, raw ``ATOM_OPS_BACKEND`` string, raw ``TRITON_INTERPRET`` string) and cached: a call does
-two ``os.environ`` look-ups and one dict look-up, and changing either variable between calls
-takes effect on the next call. What does depend on the arguments (strides, head sizes, the dtype
+two environment reads (:func:`atom.envs.raw`) and one dict look-up, and changing either variable
+between calls takes effect on the next call. What does depend on the arguments (strides, head sizes, the dtype
 of a second tensor) is a backend's ``supports(*args, **kwargs) -> str | None`` predicate, run on
 every call of a backend that passed the cached checks: ``None`` when it can run these arguments,
 or the reason it cannot (``auto`` then moves down the chain; a forced backend raises with it).
@@ -50,7 +50,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -85,7 +84,7 @@ def triton_available() -> bool:
 
 def triton_interpreting() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run on CPU tensors (tests only; slow)."""
-    return os.environ.get(_INTERPRET_ENV, "0") == "1"
+    return envs.raw(_INTERPRET_ENV) == "1"
 
 
 @torch.compiler.assume_constant_result
@@ -289,7 +288,7 @@ class Op:
         return _Plan(forced, tuple(steps), tuple(chain))
 
     def _plan_for(self, device_type: Optional[str], dtype: Optional[torch.dtype]) -> _Plan:
-        key = (device_type, dtype, os.environ.get(_OPS_BACKEND_ENV), os.environ.get(_INTERPRET_ENV))
+        key = (device_type, dtype, envs.raw(_OPS_BACKEND_ENV), envs.raw(_INTERPRET_ENV))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(*key)
