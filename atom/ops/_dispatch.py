@@ -27,13 +27,13 @@ op's fails at import, not on the first call that hits the difference.
 2. otherwise ``auto``: AITER on ROCm when ``aiter`` imports and the op has a binding, Triton on
    CUDA/ROCm tensors, the torch reference everywhere else (CPU).
 
-What does not depend on a call's arguments (the environment, which packages import, the device
-type, the first tensor's dtype against a backend's ``dtypes``) is decided once per (device type,
-dtype, raw ``ATOM_OPS_BACKEND`` string, raw ``TRITON_INTERPRET`` string) and cached: a call does
-two environment reads (:func:`atom.envs.raw`) and one dict look-up, and changing either variable
-between calls takes effect on the next call. What does depend on the arguments (strides, head sizes, the dtype
-of a second tensor) is a backend's ``supports(*args, **kwargs) -> str | None`` predicate, run on
-every call of a backend that passed the cached checks: ``None`` when it can run these arguments,
+What does not depend on a call's arguments (the environment, which packages import, the device type,
+the first tensor's dtype against a backend's ``dtypes``) is decided once per (device type, dtype,
+raw ``ATOM_OPS_BACKEND`` string, raw ``TRITON_INTERPRET`` string) and cached: a call does two
+environment reads (:func:`atom.envs.raw`) and one dict look-up, and changing either variable between
+calls takes effect on the next call. What does depend on the arguments (strides, head sizes, the
+dtype of a second tensor) is a backend's ``supports(*args, **kwargs) -> str | None`` predicate, run
+on every call of a backend that passed the cached checks: ``None`` when it can run these arguments,
 or the reason it cannot (``auto`` then moves down the chain; a forced backend raises with it).
 
 While ``torch.compile`` traces (Dynamo), a call becomes the op's *inductor form* when it has one
