@@ -397,6 +397,8 @@ def get(name: str, environ: "dict[str, str] | None" = None) -> Any:
 
 _ENVIRON_TYPE = type(os.environ)
 _ENCODED_NAMES: dict[str, Any] = {}
+# CPython's os._Environ keeps the live environment in ``_data`` (encoded keys and values)
+_FAST_READ = all(hasattr(os.environ, a) for a in ("_data", "encodekey", "decodevalue"))
 
 
 def raw(name: str) -> "str | None":
@@ -405,7 +407,7 @@ def raw(name: str) -> "str | None":
     updates, so a change is seen at the next call; an unset name costs ~0.07 us instead of the
     ~0.5 us of ``os.environ.get`` (its ``KeyError`` path). The dispatcher reads two per op call."""
     env = os.environ
-    if type(env) is not _ENVIRON_TYPE:  # replaced (by a test, say): the plain read
+    if not _FAST_READ or type(env) is not _ENVIRON_TYPE:  # replaced (by a test, say): the plain read
         return env.get(name)
     key = _ENCODED_NAMES.get(name)
     if key is None:

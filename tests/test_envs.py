@@ -64,6 +64,9 @@ def test_raw_reads_the_live_environment_as_os_environ_get_does(monkeypatch):
     assert envs.raw(name) is None
     for key, value in list(os.environ.items())[:50]:
         assert envs.raw(key) == value
+    monkeypatch.setattr(envs, "_FAST_READ", False)  # a Python whose os.environ has no _data
+    assert envs.raw(name) is None and envs.raw("PATH") == os.environ["PATH"]
+    monkeypatch.setattr(envs, "_FAST_READ", True)
     monkeypatch.setattr(os, "environ", {name: "replaced"})
     assert envs.raw(name) == "replaced"
 
