@@ -83,7 +83,7 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
         add(1 + (i * out_len) // conc)
     wave = conc  # first-wave requests still running
     tokens = steps = mixed = requests = 0
-    t0 = t_end = None
+    t0 = None
     arrived = 0
     while True:
         outs = engine.step()
@@ -111,16 +111,15 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
         if t0 is None and wave == 0:
             t0 = now  # the ramp is over: measure from here
         elif t0 is not None and now - t0 >= seconds and steps > 0:
-            t_end = now
+            elapsed = now - t0
             break
     aborted = len(live)
     if live:
         engine.abort_request(sorted(live))
     while engine.has_unfinished_requests():
         engine.step()
-    elapsed = t_end - t0
-    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "steps": steps, "mixed_steps": mixed, "requests": requests, "aborted": aborted,
-            "first": [first.get(k, [])[:32] for k in range(min(8, conc))]}
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "steps": steps, "mixed_steps": mixed,
+            "requests": requests, "aborted": aborted, "first": [first.get(k, [])[:32] for k in range(min(8, conc))]}
 
 
 def main(argv: list[str]) -> int:
