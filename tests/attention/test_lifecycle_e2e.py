@@ -53,12 +53,11 @@ from tests.models import _engine_runner as runner
 import atom.plugin.vllm.attention as attention
 
 memo_calls = []
-if hasattr(attention, "_cache_views"):
-    kept = attention._cache_views
-    def spy(impl, kv_cache):
-        memo_calls.append(1)
-        return kept(impl, kv_cache)
-    attention._cache_views = spy
+kept = attention._cache_views
+def spy(impl, kv_cache):
+    memo_calls.append(1)
+    return kept(impl, kv_cache)
+attention._cache_views = spy
 caches = []
 
 def inspect(llm):
