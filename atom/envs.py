@@ -256,6 +256,16 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_ops_backend, "auto, aiter, triton, torch, or op=backend,...",
         ),
         EnvVar(
+            "ATOM_TRITON_DIRECT_LAUNCH", "bool", "0",
+            "Launch the compiled Triton kernels of atom's eager attention (paged prefill/decode, "
+            "split-KV reduce, KV-cache write) directly, keyed by what decides their compiled "
+            "variant, instead of through Triton's launcher on every call: less host time per "
+            "layer in steps that run attention outside CUDA graphs (mixed prefill + decode). "
+            "Falls back to normal launches, with one warning, where Triton's API differs. No "
+            "effect under TRITON_INTERPRET=1.",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
             "ATOM_DISABLE_TORCH_COMPILE", "bool", "0",
             "Run atom's models under vLLM without torch.compile (CUDA graphs only), as vLLM runs "
             "a model that lacks its support_torch_compile decorator; for A/B measurements and as "

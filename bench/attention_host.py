@@ -344,8 +344,14 @@ def main(argv: list[str]) -> int:
         from vllm.config import VllmConfig, set_current_vllm_config
 
         ctx = set_current_vllm_config(VllmConfig())
+    from atom.ops import _launch
+
+    result["direct_launch"] = _launch.enabled()  # ATOM_TRITON_DIRECT_LAUNCH (atom.ops._launch)
     with ctx:
         run_scenarios(args, scenarios, dims, dtype, device, sync, result)
+    # per kernel launched directly: the variants it keeps, and whether it fell back to normal launches
+    result["direct_launchers"] = {getattr(d.kernel, "__name__", "?"): {"variants": len(d.compiled), "failed": d.failed}
+                                  for d in _launch._launchers.values()}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from atom.ops._common import cdiv, next_pow2
 from atom.ops._dispatch import triton_interpreting
+from atom.ops._launch import direct as direct_launch
 from atom.ops.common_triton import dot_flags
 
 LOG2E = 1.4426950408889634
@@ -373,7 +374,7 @@ def split_kv_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
     query length is 1: the decode sequences of a mixed batch).
     """
     rows, heads, _, head_dim = part_o.shape
-    _split_kv_reduce_kernel[(rows, heads)](
+    direct_launch(_split_kv_reduce_kernel)[(rows, heads)](
         part_o, part_lse, out,
         query_start_loc if query_start_loc is not None else part_lse,
         sinks if sinks is not None else part_lse,
@@ -426,7 +427,7 @@ def paged_attention_fwd(
     if max_query_len > 1 or lse is not None:
         cfg = _prefill_config(head_dim, q.dtype)
         grid = (num_seqs, cdiv(max(max_query_len, 1), cfg["BLOCK_M"]), num_heads)
-        _prefill_kernel[grid](
+        direct_launch(_prefill_kernel)[grid](
             q, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
             sinks if sinks is not None else dummy,
             k_scale if has_scale else dummy, v_scale if has_scale else dummy,
@@ -458,7 +459,7 @@ def paged_attention_fwd(
                                device=q.device)
         po_strides = part_o.stride()[:3]
         pl_strides = part_lse.stride()[:2]
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    direct_launch(_decode_kernel)[(num_seqs, num_kv_heads, num_splits)](
         q, key_cache, value_cache, out, part_o, part_lse, block_table, seq_lens, query_start_loc,
         sinks if sinks is not None else dummy,
         k_scale if has_scale else dummy, v_scale if has_scale else dummy,

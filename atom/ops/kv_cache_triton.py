@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from atom.ops._common import cdiv, next_pow2
+from atom.ops._launch import direct as direct_launch
 from atom.ops.common_triton import cache_store, exact_fp8_cast, num_warps_for
 
 #: Elements of one head-block tile (key or value) per program; ~2 KiB of bf16.
@@ -60,7 +61,7 @@ def reshape_and_cache_launch(
     block_d = next_pow2(d)
     block_h = min(next_pow2(h), max(1, TILE_ELEMS // block_d))
     grid = (t, cdiv(h, block_h))
-    _reshape_and_cache_kernel[grid](
+    direct_launch(_reshape_and_cache_kernel)[grid](
         key, value, key_cache, value_cache, slot_mapping,
         k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,
         *key.stride()[:2], *value.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
