@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from atom.ops.activation import SILU_AND_MUL
 from atom.ops.fp8_gemm import fp8_block_gemm
@@ -53,6 +54,38 @@ from atom.ops.rmsnorm import RMS_NORM
 from atom.ops.rotary import ROTARY_EMBEDDING
 
 LIB = "atom"
+_LIBRARY = torch.library.Library(LIB, "FRAGMENT")
+
+
+class _Node:
+    """One ``torch.ops.atom.<name>`` op (what :func:`node` returns): callable as its Python body,
+    and ``register_fake`` as on a ``torch.library.custom_op``."""
+
+    def __init__(self, name: str, fn) -> None:
+        self.qualname = f"{LIB}::{name}"
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def register_fake(self, fake):
+        torch.library.register_fake(self.qualname, fake, lib=_LIBRARY)
+        return fake
+
+
+def node(name: str, *, mutates_args: tuple = ()):
+    """Declare ``fn`` as the op ``atom::<name>``, its schema inferred from its annotations (as
+    ``torch.library.custom_op`` infers it), its one implementation registered for every device
+    (``CompositeExplicitAutograd``). This is how vLLM registers its own ops
+    (``direct_register_custom_op``): Dynamo and Inductor see the same opaque node with a fake
+    kernel, and a call outside CUDA graphs skips ``custom_op``'s Python wrapper (~7-10 us a call on a
+    development CPU under ``torch.inference_mode``, bench/NOTES.md entry 47). No autograd: these
+    are inference kernels."""
+    def wrap(fn):
+        _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+        return _Node(name, fn)
+    return wrap
 
 
 def _fresh(t: torch.Tensor, inputs: tuple) -> torch.Tensor:
@@ -64,7 +97,7 @@ def _fresh(t: torch.Tensor, inputs: tuple) -> torch.Tensor:
 
 
 # -- rms_norm ---------------------------------------------------------------------------------
-@torch.library.custom_op(f"{LIB}::rms_norm", mutates_args=())
+@node("rms_norm", mutates_args=())
 def _rms_norm_node(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    out_dtype: Optional[torch.dtype] = None,
                    scale: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -76,7 +109,7 @@ def _(x, weight, eps, out_dtype=None, scale=None):
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 
-@torch.library.custom_op(f"{LIB}::fused_add_rms_norm", mutates_args=())
+@node("fused_add_rms_norm", mutates_args=())
 def _fused_add_rms_norm_node(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                              out_dtype: Optional[torch.dtype] = None,
                              scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +137,7 @@ def _rms_norm_graph(x, weight, eps, residual=None, out_dtype=None, scale=None, *
 
 
 # -- rotary_embedding (in place) --------------------------------------------------------------
-@torch.library.custom_op(f"{LIB}::rotary_embedding", mutates_args=("query", "key"))
+@node("rotary_embedding", mutates_args=("query", "key"))
 def _rotary_node(positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor],
                  cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int, is_neox: bool) -> None:
     ROTARY_EMBEDDING(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox)
@@ -123,7 +156,7 @@ def _rotary_graph(positions, query, key, cos_sin_cache, head_size, rotary_dim, i
 
 
 # -- silu_and_mul -------------------------------------------------------------------------------
-@torch.library.custom_op(f"{LIB}::silu_and_mul", mutates_args=())
+@node("silu_and_mul", mutates_args=())
 def _silu_node(x: torch.Tensor) -> torch.Tensor:
     return _fresh(SILU_AND_MUL(x), (x,))
 
@@ -140,7 +173,7 @@ def _silu_graph(x, *, out=None):
 
 
 # -- MoE routing and experts --------------------------------------------------------------------
-@torch.library.custom_op(f"{LIB}::topk_softmax", mutates_args=())
+@node("topk_softmax", mutates_args=())
 def _topk_softmax_node(router_logits: torch.Tensor, top_k: int,
                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     w, ids = topk_softmax(router_logits, top_k, renormalize)
@@ -159,7 +192,7 @@ def _topk_softmax_graph(router_logits, top_k, renormalize):
     return torch.ops.atom.topk_softmax(router_logits, int(top_k), bool(renormalize))
 
 
-@torch.library.custom_op(f"{LIB}::grouped_topk_sigmoid", mutates_args=())
+@node("grouped_topk_sigmoid", mutates_args=())
 def _grouped_topk_node(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
                        topk_groups: int, routed_scaling_factor: float,
                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +216,7 @@ def _grouped_topk_graph(router_logits, correction_bias, top_k, num_groups, topk_
                                                int(topk_groups), float(routed_scaling_factor), bool(renormalize))
 
 
-@torch.library.custom_op(f"{LIB}::fused_moe", mutates_args=())
+@node("fused_moe", mutates_args=())
 def _fused_moe_node(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor] = None,
                     w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
@@ -218,7 +251,7 @@ def _fused_moe_graph(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13
 
 
 # -- fp8 block-scaled linear ------------------------------------------------------------------
-@torch.library.custom_op(f"{LIB}::fp8_block_gemm", mutates_args=())
+@node("fp8_block_gemm", mutates_args=())
 def _fp8_block_gemm_node(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_shape: list[int],
                          x_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                          out_dtype: Optional[torch.dtype] = None, w8a8_from: Optional[int] = None,
@@ -244,8 +277,13 @@ def _fp8_block_gemm_graph(x, weight, weight_scale, block_shape, *, x_scale=None,
 
 
 # -- float linear (ATOM_BF16_GEMV) ---------------------------------------------------------------
-@torch.library.custom_op(f"{LIB}::linear", mutates_args=())
+@node("linear", mutates_args=())
 def _linear_node(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[0] != 1:
+        # only a single row can run atom's GEMV; every other call is the reference, F.linear (a
+        # fresh tensor), so it skips the dispatcher: outside CUDA graphs this node runs once per
+        # linear layer and step
+        return F.linear(x, weight, bias)
     return _fresh(linear(x, weight, bias), (x, weight))
 
 
@@ -267,7 +305,7 @@ def _scales_like(x: torch.Tensor, k: int, group: int, column_major_scales: bool)
     return x.new_empty((m, g), dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{LIB}::rms_norm_quant_fp8", mutates_args=())
+@node("rms_norm_quant_fp8", mutates_args=())
 def _rms_norm_quant_node(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
                          column_major_scales: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, q, s = rms_norm_quant_fp8(x, weight, eps, None, group, column_major_scales)
@@ -281,7 +319,7 @@ def _(x, weight, eps, group, column_major_scales):
             _scales_like(x, x.shape[1], group, column_major_scales))
 
 
-@torch.library.custom_op(f"{LIB}::fused_add_rms_norm_quant_fp8", mutates_args=())
+@node("fused_add_rms_norm_quant_fp8", mutates_args=())
 def _fused_add_rms_norm_quant_node(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                                    group: int, column_major_scales: bool
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -304,7 +342,7 @@ def _rms_norm_quant_graph(x, weight, eps, residual=None, group=128, column_major
                                                        bool(column_major_scales))
 
 
-@torch.library.custom_op(f"{LIB}::silu_and_mul_quant_fp8", mutates_args=())
+@node("silu_and_mul_quant_fp8", mutates_args=())
 def _silu_quant_node(x: torch.Tensor, group: int,
                      column_major_scales: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, q, s = silu_and_mul_quant_fp8(x, group, column_major_scales)
