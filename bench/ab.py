@@ -153,17 +153,23 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _stop(procs: dict, gpu_floor_mib: Optional[int] = None, timeout: float = 180.0) -> None:
+def _stop(procs: dict, gpu_floor_mib: Optional[int] = None, timeout: float = 180.0, hurry: bool = False) -> None:
     """Stop every side and wait until it is gone. Closing its stdin ends the worker, which shuts
     its engine down; a side still running after 60 s gets SIGTERM, then SIGKILL, sent to its whole
     process group (a killed driver would leave its engine-core process holding the GPU). Then,
     given the GPU memory in use before the launch (``gpu_floor_mib``), wait until the engines'
-    memory is back within 2 GiB of it: the next launch needs it."""
+    memory is back within 2 GiB of it: the next launch needs it. ``hurry`` (the command's time is
+    up): SIGTERM at once, SIGKILL after 5 s."""
     for proc in procs.values():
-        proc.stdin.close()
+        try:
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
     deadline = time.time() + timeout
+    waits = ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)) if hurry else \
+        ((None, 60.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 30.0))
     for proc in procs.values():
-        for sig, wait in ((None, 60.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 30.0)):
+        for sig, wait in waits:
             if sig is not None:
                 _signal_group(proc, sig)
             try:
@@ -227,11 +233,49 @@ def main(argv: list[str]) -> int:
     warm: dict[int, dict[str, list[float]]] = {c: {name: [] for name, _ in sides} for c in concs}
     launch_facts: list[dict[str, dict]] = []
     all_logs: dict[str, list[Path]] = {name: [] for name in order}
+
+    def write_records(partial: Optional[str] = None) -> None:
+        """Each cell's record (--json); ``partial``: why the run stopped early (a cell is written
+        only where every side has at least one measured window)."""
+        if not launch_facts:
+            return
+        facts = {name: {**launch_facts[-1][name],
+                        "ready_s_per_launch": [f[name]["ready_s"] for f in launch_facts]} for name in order}
+        for conc in concs:
+            if partial and not all(results[conc][name] for name in order):
+                continue
+            record = _record(args, sides, order, conc, results[conc], facts, all_logs, warm[conc])
+            if partial:
+                record["partial"] = partial
+            if args.json:
+                path = Path(args.json)
+                if len(concs) > 1:
+                    path = path.with_name(f"{path.stem}_c{conc}{path.suffix}")
+                path.write_text(json.dumps(record, indent=2))
+
+    # A time limit (``timeout`` sends SIGTERM) keeps the windows measured so far: they are written
+    # before the engines are stopped, marked partial (a run of 3 windows x 20 s per side after a
+    # cold start of several minutes would otherwise leave nothing).
+    def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up must not be interrupted
+        raise _TimeUp()
+
+    signal.signal(signal.SIGTERM, on_term)
+    stopped: Optional[str] = None
     for launch in range(args.launches):
         # each launch: fresh engines (their start-up is part of the spread being measured), then
         # the interleaved rounds; the sides start in turn, as in every launch
         gpu_floor = _gpu_used_mib()
-        procs, facts, logs = _start(sides, spec, logdir, f".launch{launch + 1}" if args.launches > 1 else "")
+        procs: dict = {}
+        try:
+            procs, facts, logs = _start(sides, spec, logdir, f".launch{launch + 1}" if args.launches > 1 else "",
+                                        procs)
+        except _TimeUp:
+            stopped = f"SIGTERM while launch {launch + 1} started"
+            print(f"[ab] {stopped}: recording the windows measured so far", flush=True)
+            write_records(stopped)
+            _stop(procs, None, hurry=True)
+            break
         launch_facts.append(facts)
         for name in order:
             all_logs[name].append(logs[name])
@@ -258,26 +302,32 @@ def main(argv: list[str]) -> int:
                               f"over {res['seconds']:5.1f} s ({unit}) sm "
                               f"{res['clocks'].get('sm_mhz_median')} MHz throttled "
                               f"{res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
+        except _TimeUp:
+            stopped = f"SIGTERM in launch {launch + 1}"
+            print(f"[ab] {stopped}: recording the windows measured so far", flush=True)
+            write_records(stopped)
         finally:
             clocks.stop()
-            _stop(procs, gpu_floor)
-    facts = {name: {**launch_facts[-1][name],
-                    "ready_s_per_launch": [f[name]["ready_s"] for f in launch_facts]} for name in order}
-    for conc in concs:
-        record = _record(args, sides, order, conc, results[conc], facts, all_logs, warm[conc])
-        if args.json:
-            path = Path(args.json)
-            if len(concs) > 1:
-                path = path.with_name(f"{path.stem}_c{conc}{path.suffix}")
-            path.write_text(json.dumps(record, indent=2))
+            _stop(procs, None if stopped else gpu_floor, hurry=bool(stopped))
+        if stopped:
+            break
+    if stopped is None:
+        write_records()
     return 0
 
 
-def _start(sides: list, spec: dict, logdir: Path, suffix: str) -> tuple[dict, dict, dict]:
+class _TimeUp(Exception):
+    """SIGTERM (the command's time limit) arrived."""
+
+
+def _start(sides: list, spec: dict, logdir: Path, suffix: str,
+           procs: Optional[dict] = None) -> tuple[dict, dict, dict]:
     """Start every side's engine, one after another (vLLM sizes its KV cache from a memory
     profile of its own start-up, which another engine starting on the same GPU at the same time
-    corrupts: "No available memory for the cache blocks"). Returns (processes, facts, log paths)."""
-    procs, facts, logs = {}, {}, {}
+    corrupts: "No available memory for the cache blocks"). Returns (processes, facts, log paths);
+    ``procs``, when given, is filled as the sides start (the caller can stop a partial start)."""
+    procs = {} if procs is None else procs
+    facts, logs = {}, {}
     t_start = time.time()
     for name, env in sides:
         logs[name] = logdir / f"{name}{suffix}.log"

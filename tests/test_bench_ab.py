@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -15,16 +16,18 @@ from tests.conftest import REPO
 ab = load_bench("ab")
 
 
-def _run_ab(model, tmp_path, *options: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _ab_cmd(model, tmp_path, *options: str) -> list[str]:
     """bench/ab.py on ``model`` in-process engines (16 in / 8 out at C=4, fp32, eager), its logs
     under tmp_path/logs and its record at tmp_path/cell.json, plus ``options`` (sides, rounds...)."""
-    return subprocess.run(
-        [sys.executable, str(BENCH / "ab.py"), "--model", str(model), *options, "--in", "16", "--out", "8",
-         "--conc", "4", "--gpu-util", "0.2", "--vocab", "1000", "--logdir", str(tmp_path / "logs"),
-         "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}), "--json", str(tmp_path / "cell.json")],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
+    return [sys.executable, str(BENCH / "ab.py"), "--model", str(model), *options, "--in", "16", "--out", "8",
+            "--conc", "4", "--gpu-util", "0.2", "--vocab", "1000", "--logdir", str(tmp_path / "logs"),
+            "--engine", json.dumps({"dtype": "float32", "enforce_eager": True}), "--json", str(tmp_path / "cell.json")]
+
+
+def _run_ab(model, tmp_path, *options: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """:func:`_ab_cmd`, run to its end."""
+    return subprocess.run(_ab_cmd(model, tmp_path, *options), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 def test_bootstrap_interval_brackets_the_ratio_and_narrows_with_agreeing_rounds():
@@ -133,3 +136,34 @@ def test_continuous_window_counts_tokens_of_every_step(tiny_model, vllm_engine):
     assert res["aborted"] in (3, 4) and not llm.llm_engine.has_unfinished_requests()
     again = worker.continuous_window(llm.llm_engine, spec, 4, seed=7, seconds=0.5, vocab=1000)
     assert again["first"] == res["first"] and len(res["first"]) == 4  # same seed, same prompts, greedy
+
+
+def test_a_time_limit_keeps_the_windows_measured_so_far(tiny_model, tmp_path):
+    """SIGTERM (``timeout`` ending the command) after some windows: the record is written with
+    those windows and marked partial, and the run ends promptly (two GPU commands of 2026-11-28
+    hit their limits in the last round and kept nothing but their text output)."""
+    model = tiny_model("qwen3", "float32")
+    out = tmp_path / "cell.json"
+    cmd = _ab_cmd(model, tmp_path, "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1", "--side", "atom:ATOM_ENABLE_ON_CPU=1",
+                  "--rounds", "50", "--window", "0.5", "--warmup", "0")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    seen = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("[ab] launch 1 round"):
+                seen.append(line)
+                if len(seen) == 3:  # both sides measured at least once
+                    proc.send_signal(signal.SIGTERM)
+                    break
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM in launch 1: recording the windows measured so far" in rest
+    record = json.loads(out.read_text())
+    assert record["partial"] == "SIGTERM in launch 1"
+    stock, atom = record["sides"]["stock"], record["sides"]["atom"]
+    assert 1 <= len(stock["tok_s"]) <= 2 and 1 <= len(atom["tok_s"]) <= 2
+    assert len(stock["tok_s"]) + len(atom["tok_s"]) >= 3
+    assert atom["ratio_ci_low"] <= atom["ratio"] <= atom["ratio_ci_high"]
