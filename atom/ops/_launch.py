@@ -21,8 +21,8 @@ Where Triton's API differs from what this expects (no ``params``, no ``warmup``,
 refuses the arguments), the kernel falls back to normal launches for good, with one warning.
 Under the interpreter (``TRITON_INTERPRET=1``) and for anything that is not a ``JITFunction``
 (tests' stubs) ``direct`` returns the kernel itself. Off unless ``ATOM_TRITON_DIRECT_LAUNCH=1``;
-the switch is read when a kernel is wrapped, i.e. at every launch site call (one cached
-environment read). This module never imports vLLM.
+the switch is read live at every launch-site call (two reads of the environment's backing dict,
+:func:`atom.envs.raw`). This module never imports vLLM.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ _ENV = "ATOM_TRITON_DIRECT_LAUNCH"
 #: Keys kept per kernel before its table is cleared (an int argument that takes a new value on
 #: every call would otherwise grow it without bound; each entry is one tuple and one reference).
 MAX_KEYS = 4096
+
 
 @functools.lru_cache(maxsize=16)
 def _parsed(raw: str) -> bool:
