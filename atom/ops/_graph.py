@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from atom.ops.activation import SILU_AND_MUL
 from atom.ops.fp8_gemm import fp8_block_gemm
-from atom.ops.linear import linear
+from atom.ops.linear import linear, single_row
 from atom.ops.fused_quant import rms_norm_quant_fp8, silu_and_mul_quant_fp8
 from atom.ops.moe import fused_moe
 from atom.ops.moe_routing import grouped_topk_sigmoid, topk_softmax
@@ -58,15 +58,11 @@ _LIBRARY = torch.library.Library(LIB, "FRAGMENT")
 
 
 class _Node:
-    """One ``torch.ops.atom.<name>`` op (what :func:`node` returns): callable as its Python body,
-    and ``register_fake`` as on a ``torch.library.custom_op``."""
+    """One ``torch.ops.atom.<name>`` op (what :func:`node` returns; called as
+    ``torch.ops.atom.<name>``): ``register_fake`` as on a ``torch.library.custom_op``."""
 
-    def __init__(self, name: str, fn) -> None:
+    def __init__(self, name: str) -> None:
         self.qualname = f"{LIB}::{name}"
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
 
     def register_fake(self, fake):
         torch.library.register_fake(self.qualname, fake, lib=_LIBRARY)
@@ -84,7 +80,7 @@ def node(name: str, *, mutates_args: tuple = ()):
     def wrap(fn):
         _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
         _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
-        return _Node(name, fn)
+        return _Node(name)
     return wrap
 
 
@@ -279,7 +275,7 @@ def _fp8_block_gemm_graph(x, weight, weight_scale, block_shape, *, x_scale=None,
 # -- float linear (ATOM_BF16_GEMV) ---------------------------------------------------------------
 @node("linear", mutates_args=())
 def _linear_node(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    if x.dim() != 2 or x.shape[0] != 1:
+    if not single_row(x):
         # only a single row can run atom's GEMV; every other call is the reference, F.linear (a
         # fresh tensor), so it skips the dispatcher: outside CUDA graphs this node runs once per
         # linear layer and step

@@ -28,8 +28,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
+def single_row(x: torch.Tensor) -> bool:
+    """The one case the GEMV serves (every other call is ``F.linear``, whatever the backend)."""
+    return x.dim() == 2 and x.shape[0] == 1
+
+
 def _triton_supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Optional[str]:
-    if x.dim() != 2 or x.shape[0] != 1:
+    if not single_row(x):
         return "not a single row: cuBLAS (the reference) serves batches"
     if weight.dim() != 2 or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return "x, weight and bias must share one half-precision dtype"
