@@ -260,6 +260,11 @@ def main(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up must not be interrupted
         raise _TimeUp()
 
+    def time_up(why: str) -> str:
+        print(f"[ab] {why}: recording the windows measured so far", flush=True)
+        write_records(why)
+        return why
+
     signal.signal(signal.SIGTERM, on_term)
     stopped: Optional[str] = None
     for launch in range(args.launches):
@@ -271,9 +276,7 @@ def main(argv: list[str]) -> int:
             procs, facts, logs = _start(sides, spec, logdir, f".launch{launch + 1}" if args.launches > 1 else "",
                                         procs)
         except _TimeUp:
-            stopped = f"SIGTERM while launch {launch + 1} started"
-            print(f"[ab] {stopped}: recording the windows measured so far", flush=True)
-            write_records(stopped)
+            stopped = time_up(f"SIGTERM while launch {launch + 1} started")
             _stop(procs, None, hurry=True)
             break
         launch_facts.append(facts)
@@ -303,9 +306,7 @@ def main(argv: list[str]) -> int:
                               f"{res['clocks'].get('sm_mhz_median')} MHz throttled "
                               f"{res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
         except _TimeUp:
-            stopped = f"SIGTERM in launch {launch + 1}"
-            print(f"[ab] {stopped}: recording the windows measured so far", flush=True)
-            write_records(stopped)
+            stopped = time_up(f"SIGTERM in launch {launch + 1}")
         finally:
             clocks.stop()
             _stop(procs, None if stopped else gpu_floor, hurry=bool(stopped))
