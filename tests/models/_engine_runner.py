@@ -35,6 +35,37 @@ def _token_logprob(entry: Optional[dict], token: int) -> Optional[float]:
     return float(entry[token].logprob)
 
 
+def stock_mla_kwargs(model_dir: str, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments that name vLLM's portable ``CPU_MLA`` backend for a run of an MLA
+    checkpoint without atom's attention (``ATOM_DISABLE_VLLM_PLUGIN`` or
+    ``ATOM_DISABLE_VLLM_PLUGIN_ATTENTION``) on vLLM-CPU, where that vLLM also has ``AMX_MLA``
+    and the caller named no backend; ``{}`` otherwise.
+
+    vLLM-CPU 0.32 picks AMX_MLA by itself on CPUs with AMX tiles, and AMX_MLA refuses fp32
+    weights ("expect weight to be bfloat16, float16, int8, fp8_e4m3 ..."): named, the stock side
+    runs the same kernels on every CPU, and the comparisons' fp32 runs run at all."""
+    if "attention_config" in engine_kwargs or "attention_backend" in engine_kwargs:
+        return {}
+    from atom import envs
+
+    if not (envs.get("ATOM_DISABLE_VLLM_PLUGIN") or envs.get("ATOM_DISABLE_VLLM_PLUGIN_ATTENTION")):
+        return {}
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    if not (config.get("kv_lora_rank") or config.get("text_config", {}).get("kv_lora_rank")):
+        return {}
+    from vllm.platforms import current_platform
+
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:
+        return {}
+    names = AttentionBackendEnum.__members__
+    if not current_platform.is_cpu() or "AMX_MLA" not in names or "CPU_MLA" not in names:
+        return {}
+    return {"attention_config": {"backend": "CPU_MLA"}}
+
+
 def run_engine(
     model_dir: str,
     prompts: list[list[int]],
@@ -43,10 +74,12 @@ def run_engine(
     **engine_kwargs: Any,
 ) -> dict[str, Any]:
     """Start an engine, generate greedily (``ignore_eos``, NEW_TOKENS tokens, with sampled and
-    prompt logprobs), shut it down. ``inspect(llm)`` may return extra facts about the engine."""
+    prompt logprobs), shut it down. A stock run of an MLA checkpoint runs vLLM's CPU_MLA
+    (:func:`stock_mla_kwargs`). ``inspect(llm)`` may return extra facts about the engine."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype=dtype, **{**ENGINE_KWARGS, **engine_kwargs})
+    kwargs = {**ENGINE_KWARGS, **engine_kwargs}
+    llm = LLM(model=model_dir, dtype=dtype, **kwargs, **stock_mla_kwargs(model_dir, kwargs))
     try:
         facts = inspect(llm) if inspect is not None else None
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1)
