@@ -42,6 +42,9 @@ FP8_HOST_GEMMS_SMALL = ("auto", "flashinfer", "atom")
 #: Decode kernels atom's MLA backend can run its decode rows on (see ATOM_MLA_HOST_DECODE).
 MLA_HOST_DECODES = ("auto", "flashmla", "atom")
 
+#: Kernels atom's MHA backend can run its steps with multi-token rows on (see ATOM_MHA_HOST_PREFILL).
+MHA_HOST_PREFILLS = ("atom", "flash_attn", "auto")
+
 #: Kernel backends an op can be forced onto (see ATOM_OPS_BACKEND).
 OPS_BACKENDS = ("auto", "aiter", "triton", "torch")
 
@@ -384,6 +387,17 @@ VARIABLES: dict[str, EnvVar] = {
             "Where FlashMLA is used, atom's MLA backend asks vLLM for 64-token pages unless "
             "--block-size is given.",
             _choice(*MLA_HOST_DECODES), ", ".join(MLA_HOST_DECODES),
+        ),
+        EnvVar(
+            "ATOM_MHA_HOST_PREFILL", "choice", "atom",
+            "Attention steps with a multi-token row (prefill, chunked prefill, prefills next to decodes) "
+            "in atom's MHA backend under vLLM on NVIDIA GPUs: `atom` = atom's Triton kernels; "
+            "`flash_attn` = one call of vLLM's FlashAttention 3 (`flash_attn_varlen_func`, paged, on "
+            "atom's cache) for every row of such a step, for bf16/fp16 layers with a bf16/fp16 cache and "
+            "head sizes that are multiples of 8 up to 256 (atom's kernels for others, for decode-only "
+            "steps, and where FlashAttention 3 does not run); `auto` = the same as `flash_attn`. The "
+            "default stays `atom` until measured on the H100.",
+            _choice(*MHA_HOST_PREFILLS), ", ".join(MHA_HOST_PREFILLS),
         ),
         EnvVar(
             "ATOM_MLA_DECODE_TILE", "str", "auto",

@@ -28,6 +28,7 @@ last runs inside full graphs in a served engine; here eager, for reference).
     python bench/attention_host.py --sides atom --stub-kernels --label atom-python  # the Python alone
     python bench/attention_host.py --launch-probe ...                              # + bare Triton launches
     python bench/attention_host.py --smoke --sides atom                             # CPU check
+    ATOM_MHA_HOST_PREFILL=flash_attn python bench/attention_host.py --sides atom --label atom-fa
 """
 
 from __future__ import annotations
@@ -349,6 +350,10 @@ def main(argv: list[str]) -> int:
     result["direct_launch"] = _launch.enabled()  # ATOM_TRITON_DIRECT_LAUNCH (atom.ops._launch)
     with ctx:
         run_scenarios(args, scenarios, dims, dtype, device, sync, result)
+    from atom.models.attention.mha import host_prefill
+
+    # ATOM_MHA_HOST_PREFILL: the host kernel the atom side's steps with multi-token rows ran on
+    result["mha_host_prefill"] = getattr(host_prefill(), "name", None)
     # per kernel launched directly: the variants it keeps, and whether it fell back to normal launches
     result["direct_launchers"] = {getattr(d.kernel, "__name__", "?"): {"variants": len(d.compiled), "failed": d.failed}
                                   for d in _launch._launchers.values()}

@@ -154,6 +154,7 @@ MALFORMED = {
     "ATOM_FP8_HOST_GEMM_SMALL": ["cutlass", "flash_infer", "auto,atom"],
     "ATOM_MOE_GEMV_MAX_TOKENS": ["-1", "four", "2.5", "", "autos"],
     "ATOM_MLA_HOST_DECODE": ["flash_mla", "triton", "auto,atom"],
+    "ATOM_MHA_HOST_PREFILL": ["fa3", "flashattention", "atom,auto"],
     "ATOM_MLA_DECODE_TILE": ["64,64,8", "48,64,8,2", "64,64,3,2", "64,64,8,0", "big"],
 }
 

@@ -3,7 +3,8 @@ impl over ``atom.ops.reshape_and_cache``, ``atom.ops.paged_attention`` and
 ``atom.ops.fused_qk_norm_rope_cache`` (Triton on GPUs, the torch reference on CPU).
 
 One kernel call serves prefill, chunked-prefill and decode rows in any order (no batch
-reordering). Decoder self-attention with GQA, sliding window, sinks and fp8 caches
+reordering); a host may offer its own kernel for the steps with multi-token rows
+(:class:`HostPrefill`, :func:`set_host_prefill`; vLLM: FlashAttention, ``ATOM_MHA_HOST_PREFILL``). Decoder self-attention with GQA, sliding window, sinks and fp8 caches
 (``fp8`` / ``fp8_e4m3``: ``x / scale`` stored as float8_e4m3fn with per-tensor scales, which the
 kernels dequantise with). A host binds these classes to its attention interface: vLLM through
 ``atom.plugin.vllm.attention_mha``.
@@ -12,7 +13,7 @@ kernels dequantise with). A host binds these classes to its attention interface:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 import torch
 
@@ -40,6 +41,41 @@ def split_kv_workspace_bytes(max_num_seqs: int, num_heads: int, num_kv_heads: in
     rows, target = max_num_seqs * num_kv_heads, num_programs_target(device)
     cells = min(rows * 64, target + min(rows, target)) * (num_heads // num_kv_heads)
     return cells * (head_size + 1) * 4
+
+
+class HostPrefill(NamedTuple):
+    """An attention kernel the host framework ships (vLLM: FlashAttention's paged varlen
+    kernel), offered by its plugin (:func:`set_host_prefill`) for the steps that hold a
+    multi-token row (prefill, chunked prefill, prefill rows next to decodes): one call then serves
+    every row of the step. Decode-only steps (the ones full CUDA graphs capture) keep atom's
+    kernels.
+
+    * ``declines(num_heads, num_kv_heads, head_size, dtype, kv_cache_dtype, has_sinks)``: why it
+      cannot serve a layer of this shape (None: it can); asked once per layer, when its weights
+      are processed.
+    * ``run(q, key_cache, value_cache, out, md, scale, sliding_window, sinks)``: attention as
+      :func:`atom.ops.paged_attention` computes it (``q [T, H, D]``, the NHD caches, ``md`` a
+      :class:`PagedAttentionMetadata`, ``sliding_window`` atom's ``W`` or None, ``sinks`` float32
+      ``[H]`` or None), written into ``out [T, H, D]``, which it returns."""
+
+    name: str
+    declines: Callable[[int, int, int, torch.dtype, str, bool], Optional[str]]
+    run: Callable[..., torch.Tensor]
+
+
+_HOST_PREFILL: Optional[HostPrefill] = None
+
+
+def set_host_prefill(prefill: Optional[HostPrefill]) -> None:
+    """Offer (or, with None, withdraw) the host's kernel for steps with multi-token rows. Layers
+    decide when their weights are processed (:meth:`PagedAttentionImpl.choose_host_prefill`)."""
+    global _HOST_PREFILL
+    _HOST_PREFILL = prefill
+
+
+def host_prefill() -> Optional[HostPrefill]:
+    """The host's kernel for steps with multi-token rows, or None (atom's kernels serve them)."""
+    return _HOST_PREFILL
 
 
 @dataclass
@@ -187,6 +223,10 @@ class PagedAttentionImpl:
             raise ValueError(f"sinks must have one value per query head ({num_heads}), got {tuple(sinks.shape)}")
         self.sinks = sinks
         self.fused: Optional[FusedQKNormRope] = None  # see enable_fused_qk_norm_rope
+        #: the host's kernel for steps with multi-token rows, where it serves this layer
+        #: (:meth:`choose_host_prefill`); why not, in ``host_prefill_declined``
+        self.host_prefill: Optional[HostPrefill] = None
+        self.host_prefill_declined: Optional[str] = None
         self._workspace_seqs = max_num_seqs
         self._block_size = block_size
 
@@ -205,7 +245,19 @@ class PagedAttentionImpl:
         copy; then compile the kernels' variants (:meth:`warm_up_kernels`)."""
         if self.sinks is not None:
             self.sinks = self.sinks.detach().to(torch.float32)
+        self.choose_host_prefill(act_dtype)
         self.warm_up_kernels(act_dtype)
+
+    def choose_host_prefill(self, act_dtype: torch.dtype) -> Optional[HostPrefill]:
+        """The host's kernel for this layer's steps with multi-token rows where one is offered and
+        takes the layer (:attr:`host_prefill`), else None and the reason in
+        :attr:`host_prefill_declined`."""
+        host = host_prefill()
+        why = None if host is None else host.declines(self.num_heads, self.num_kv_heads, self.head_size,
+                                                      act_dtype, self.kv_cache_dtype, self.sinks is not None)
+        self.host_prefill = host if host is not None and why is None else None
+        self.host_prefill_declined = why
+        return self.host_prefill
 
     def warm_up_kernels(self, act_dtype: torch.dtype) -> int:
         """Compile the attention kernels' variants now, at load, rather than in the first served
@@ -245,6 +297,9 @@ class PagedAttentionImpl:
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                md: PagedAttentionMetadata, out: torch.Tensor,
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.host_prefill is not None and md.max_query_len > 1:
+            return self.host_prefill.run(query, key_cache, value_cache, out, md, self.scale, self.sliding_window,
+                                         self.sinks)
         from atom.ops import paged_attention
 
         scales = dict(k_scale=k_scale, v_scale=v_scale) if self.fp8_cache else {}

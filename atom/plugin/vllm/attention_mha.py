@@ -111,6 +111,11 @@ class ATOMAttentionImpl(PagedAttentionImpl, AttentionImpl):
             raise NotImplementedError("atom's attention backend has no logits soft-cap")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"atom's attention backend serves decoder attention, not {attn_type}")
+        from atom.plugin.vllm import mha_prefill
+
+        # vLLM's FlashAttention for steps with multi-token rows where asked for and it runs (each
+        # layer decides when its weights are processed); its version choice reads the config.
+        mha_prefill.install()
         # vLLM builds the impl inside its config context (Attention.__init__); forward may run
         # outside it (compiled graphs, CUDA-graph capture), so the limits are read now.
         super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, kv_cache_dtype, sinks,
