@@ -14,6 +14,7 @@ runs in the GPU test at the end."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -113,9 +114,7 @@ def _run_step(shapes, window, sinks, kv_cache_dtype="auto"):
     slot_mapping = torch.cat([slots(s, range(c, c + n)) for s, (c, n) in enumerate(shapes)])
     impl.do_kv_cache_update(layer, new_k, new_v, kv_cache, slot_mapping)
     q_lens = [n for _, n in shapes]
-    qsl = [0]
-    for n in q_lens:
-        qsl.append(qsl[-1] + n)
+    qsl = [0, *itertools.accumulate(q_lens)]
     md = PagedAttentionMetadata(
         num_actual_tokens=qsl[-1], num_reqs=len(shapes), max_query_len=max(q_lens),
         max_seq_len=max(c + n for c, n in shapes), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
@@ -233,7 +232,7 @@ def test_gpu_flash_attention_steps_match_atoms_kernels(window, with_sinks, monke
     cache = torch.randn(2, num_blocks, page, kv_heads, d, device=dev, dtype=dt)
     block_table = torch.randperm(num_blocks, device=dev, dtype=torch.int32)[:per_req * len(shapes)].view(len(shapes), -1)
     q_lens = [n for _, n in shapes]
-    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev)
     md = PagedAttentionMetadata(
         num_actual_tokens=int(qsl[-1]), num_reqs=len(shapes), max_query_len=max(q_lens),
         max_seq_len=max(c + n for c, n in shapes), query_start_loc=qsl,

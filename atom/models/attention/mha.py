@@ -4,9 +4,9 @@ impl over ``atom.ops.reshape_and_cache``, ``atom.ops.paged_attention`` and
 
 One kernel call serves prefill, chunked-prefill and decode rows in any order (no batch
 reordering); a host may offer its own kernel for the steps with multi-token rows
-(:class:`HostPrefill`, :func:`set_host_prefill`; vLLM: FlashAttention, ``ATOM_MHA_HOST_PREFILL``). Decoder self-attention with GQA, sliding window, sinks and fp8 caches
-(``fp8`` / ``fp8_e4m3``: ``x / scale`` stored as float8_e4m3fn with per-tensor scales, which the
-kernels dequantise with). A host binds these classes to its attention interface: vLLM through
+(:class:`HostPrefill`; vLLM: FlashAttention, ``ATOM_MHA_HOST_PREFILL``). Decoder self-attention
+with GQA, sliding window, sinks and fp8 caches (``fp8`` / ``fp8_e4m3``: ``x / scale`` stored as
+float8_e4m3fn with per-tensor scales, which the kernels dequantise with). A host binds these classes to its attention interface: vLLM through
 ``atom.plugin.vllm.attention_mha``.
 """
 

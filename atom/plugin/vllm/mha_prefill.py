@@ -47,9 +47,7 @@ def _declines(num_heads: int, num_kv_heads: int, head_size: int, dtype: Any, kv_
         return f"a {kv_cache_dtype} KV cache (FlashAttention would need fp8 queries)"
     if head_size > MAX_HEAD_SIZE or head_size % 8:
         return f"head size {head_size} (FlashAttention 3: a multiple of 8 up to {MAX_HEAD_SIZE})"
-    if num_heads % num_kv_heads:
-        return f"{num_heads} query heads over {num_kv_heads} KV heads"
-    return None
+    return None  # GQA and sinks (``s_aux``) are FlashAttention 3's own
 
 
 def host_prefill_from(varlen: Callable[..., Any], fa_version: int) -> HostPrefill:
