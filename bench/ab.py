@@ -49,7 +49,8 @@ THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 #: vLLM log lines that say which kernels a side runs (attention, MoE, linear methods).
 KERNEL_LINE = re.compile(r"Using \S+ (attention )?backend|Selected .* for |[Uu]sing .*(MoE|Experts|GEMM|[Kk]ernel)"
                          r"|atom attention backend .* selected|atom attention not used"
-                         r"|MLA decode rows .* on |block-fp8 linears: |kv cache block size")
+                         r"|MLA decode rows .* on |MHA steps with multi-token rows|block-fp8 linears: "
+                         r"|kv cache block size")
 
 
 def parse_side(text: str) -> tuple[str, dict[str, str]]:

@@ -52,6 +52,22 @@ def test_weight_memory_is_read_from_vllms_load_line():
     assert ab.weight_gib("no such line") is None
 
 
+def test_kernel_lines_include_atoms_host_kernel_choices():
+    """The lines a record keeps to say which kernels a side ran include the ones atom logs for the
+    kernels it hands to vLLM's (FlashMLA decode rows, FlashAttention for steps with multi-token rows)."""
+    from atom.plugin.vllm import mha_prefill
+
+    logged = [
+        f"MHA steps with multi-token rows: {mha_prefill.FLASH_ATTN} (bf16/fp16 caches), atom's Triton attention ...",
+        f"MHA steps with multi-token rows (32 heads, head size 128) on {mha_prefill.FLASH_ATTN}",
+        "MHA steps with multi-token rows on atom's Triton kernels: KV cache dtype fp8 (FlashAttention would need ...)",
+        "MLA decode rows (128 heads, kv_lora_rank 512) on vLLM FlashMLA flash_mla_with_kvcache (dense decode) ...",
+        "atom attention backend ATOMAttentionBackend selected",
+    ]
+    assert all(ab.KERNEL_LINE.search(line) for line in logged)
+    assert not ab.KERNEL_LINE.search("Loading weights took 1.2 seconds")
+
+
 def test_sides_parse():
     assert ab.parse_side("stock:ATOM_DISABLE_VLLM_PLUGIN=1") == ("stock", {"ATOM_DISABLE_VLLM_PLUGIN": "1"})
     assert ab.parse_side("atom:") == ("atom", {})

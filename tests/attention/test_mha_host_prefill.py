@@ -163,6 +163,27 @@ def test_no_offer_no_host_kernel():
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
+def test_each_layer_says_once_which_kernel_its_prefill_steps_run(stand_in, monkeypatch):
+    """vLLM's post-load hook logs the layer's choice (once per process: the layers of one model
+    choose alike), the kernel or atom's with the reason."""
+    from atom import _logging
+    from atom.plugin.vllm import attention
+
+    seen = []
+    monkeypatch.setattr(_logging, "_warned", set())
+    monkeypatch.setattr(attention, "info_once", lambda key, message, logger=None: seen.append((key, message)))
+    for kv_cache_dtype in ("auto", "fp8"):
+        impl = ATOMAttentionImpl(NUM_HEADS, HEAD, 1 / math.sqrt(HEAD), NUM_KV_HEADS, None, None, kv_cache_dtype, None,
+                                 "decoder", None)
+        impl.process_weights_after_loading(torch.float32)
+    assert seen == [
+        ("mha-prefill-choice", f"MHA steps with multi-token rows ({NUM_HEADS} heads, head size {HEAD}) on "
+                               f"{mha_prefill.FLASH_ATTN}"),
+        ("mha-prefill-choice", "MHA steps with multi-token rows on atom's Triton kernels: KV cache dtype fp8 "
+                               "(FlashAttention would need fp8 queries)"),
+    ]
+
+
 @pytest.mark.parametrize("args,why", [
     ((32, 8, 128, torch.bfloat16, "auto", False), None),
     ((64, 8, 64, torch.float16, "float16", True), None),

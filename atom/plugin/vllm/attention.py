@@ -255,6 +255,12 @@ class MHAImplMethods:
         """Called by ``Attention.process_weights_after_loading`` once the loader is done."""
         self.prepare_weights(act_dtype)
         self.weights_processed_dtype = act_dtype  # what vLLM passed (the engine tests read it)
+        if self.host_prefill is not None:
+            info_once("mha-prefill-choice", f"MHA steps with multi-token rows ({self.num_heads} heads, head size "
+                                            f"{self.head_size}) on {self.host_prefill.name}", logger)
+        elif self.host_prefill_declined is not None:
+            info_once("mha-prefill-choice", "MHA steps with multi-token rows on atom's Triton kernels: "
+                                            f"{self.host_prefill_declined}", logger)
 
     def do_kv_cache_update(
         self,

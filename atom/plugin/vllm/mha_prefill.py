@@ -44,7 +44,7 @@ def _declines(num_heads: int, num_kv_heads: int, head_size: int, dtype: Any, kv_
     if dtype not in (torch.bfloat16, torch.float16):
         return f"FlashAttention takes bf16/fp16, not {dtype}"
     if kv_cache_dtype not in ("auto", "bfloat16", "float16"):
-        return f"a {kv_cache_dtype} KV cache (FlashAttention would need fp8 queries)"
+        return f"KV cache dtype {kv_cache_dtype} (FlashAttention would need fp8 queries)"
     if head_size > MAX_HEAD_SIZE or head_size % 8:
         return f"head size {head_size} (FlashAttention 3: a multiple of 8 up to {MAX_HEAD_SIZE})"
     return None  # GQA and sinks (``s_aux``) are FlashAttention 3's own
