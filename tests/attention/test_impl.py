@@ -59,6 +59,25 @@ def _dense(q, k, v, q_len, scale, window, sinks):
     return out
 
 
+def write_context(impl, layer, kv_cache, shapes, block_table):
+    """Random keys / values for ``shapes`` ((cached context, new tokens) per request), the cached
+    context written through the hook vLLM calls (earlier steps): (full keys, full values per
+    request, the new tokens' keys, values and slots, packed)."""
+    full_k = [torch.randn(c + n, NUM_KV_HEADS, HEAD) for c, n in shapes]
+    full_v = [torch.randn(c + n, NUM_KV_HEADS, HEAD) for c, n in shapes]
+
+    def slots(s, positions):
+        return torch.tensor([int(block_table[s, p // BLOCK]) * BLOCK + p % BLOCK for p in positions])
+
+    for s, (c, _) in enumerate(shapes):
+        if c:
+            impl.do_kv_cache_update(layer, full_k[s][:c], full_v[s][:c], kv_cache, slots(s, range(c)))
+    new_k = torch.cat([full_k[s][c:] for s, (c, _) in enumerate(shapes)])
+    new_v = torch.cat([full_v[s][c:] for s, (c, _) in enumerate(shapes)])
+    slot_mapping = torch.cat([slots(s, range(c, c + n)) for s, (c, n) in enumerate(shapes)])
+    return full_k, full_v, new_k, new_v, slot_mapping
+
+
 _CASES = [
     pytest.param(layout, window, sinks, "auto", "auto", id=f"{layout}-w{window}-sinks{int(sinks)}")
     for layout in ("LBNHC", "LBHNC", "BLNHC")
@@ -108,20 +127,7 @@ def test_impl_matches_dense_attention(layout, window, with_sinks, ops_backend, k
     shapes = [(0, 6), (20, 1), (17, 9)]
     blocks = torch.randperm(NUM_BLOCKS, dtype=torch.int32)
     block_table = torch.stack([blocks[0:4], blocks[4:8], blocks[8:12]])
-    full_k = [torch.randn(c + n, NUM_KV_HEADS, HEAD) for c, n in shapes]
-    full_v = [torch.randn(c + n, NUM_KV_HEADS, HEAD) for c, n in shapes]
-
-    def slots(s, positions):
-        return torch.tensor([int(block_table[s, p // BLOCK]) * BLOCK + p % BLOCK for p in positions])
-
-    # earlier steps' tokens, written through the same hook vLLM calls
-    for s, (c, _) in enumerate(shapes):
-        if c:
-            impl.do_kv_cache_update(layer, full_k[s][:c], full_v[s][:c], kv_cache, slots(s, range(c)))
-
-    new_k = torch.cat([full_k[s][c:] for s, (c, _) in enumerate(shapes)])
-    new_v = torch.cat([full_v[s][c:] for s, (c, _) in enumerate(shapes)])
-    slot_mapping = torch.cat([slots(s, range(c, c + n)) for s, (c, n) in enumerate(shapes)])
+    full_k, full_v, new_k, new_v, slot_mapping = write_context(impl, layer, kv_cache, shapes, block_table)
     num_tokens = new_k.shape[0]
     q = torch.randn(num_tokens + 3, NUM_HEADS, HEAD)  # +3 padding rows, as vLLM may pass
     pad = torch.zeros(3, NUM_KV_HEADS, HEAD)

@@ -24,7 +24,9 @@ from atom.models.attention import mha
 from atom.models.attention.mha import PagedAttentionMetadata
 from atom.plugin.vllm import compat, mha_prefill
 from atom.plugin.vllm.attention_mha import ATOMAttentionBackend, ATOMAttentionImpl
-from tests.attention.test_impl import FP8_LAYER, BLOCK, HEAD, LAYER, NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, _dense, _vllm_cache
+from tests.attention.test_impl import (
+    BLOCK, FP8_LAYER, HEAD, LAYER, NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, _dense, _vllm_cache, write_context,
+)
 
 # (context already cached, new tokens): a prefill, a decode, a chunk after cached context
 MIXED = [(0, 6), (20, 1), (17, 9)]
@@ -99,19 +101,8 @@ def _run_step(shapes, window, sinks, kv_cache_dtype="auto"):
     per_req = NUM_BLOCKS // len(shapes)
     blocks = torch.randperm(NUM_BLOCKS, dtype=torch.int32)
     block_table = torch.stack([blocks[i * per_req:(i + 1) * per_req] for i in range(len(shapes))])
-    full_k = [torch.randn(c + n, NUM_KV_HEADS, HEAD) for c, n in shapes]
-    full_v = [torch.randn(c + n, NUM_KV_HEADS, HEAD) for c, n in shapes]
-
-    def slots(s, positions):
-        return torch.tensor([int(block_table[s, p // BLOCK]) * BLOCK + p % BLOCK for p in positions])
-
     layer = LAYER if kv_cache_dtype == "auto" else FP8_LAYER
-    for s, (c, _) in enumerate(shapes):
-        if c:
-            impl.do_kv_cache_update(layer, full_k[s][:c], full_v[s][:c], kv_cache, slots(s, range(c)))
-    new_k = torch.cat([full_k[s][c:] for s, (c, _) in enumerate(shapes)])
-    new_v = torch.cat([full_v[s][c:] for s, (c, _) in enumerate(shapes)])
-    slot_mapping = torch.cat([slots(s, range(c, c + n)) for s, (c, n) in enumerate(shapes)])
+    full_k, full_v, new_k, new_v, slot_mapping = write_context(impl, layer, kv_cache, shapes, block_table)
     impl.do_kv_cache_update(layer, new_k, new_v, kv_cache, slot_mapping)
     q_lens = [n for _, n in shapes]
     qsl = [0, *itertools.accumulate(q_lens)]
