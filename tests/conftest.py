@@ -7,6 +7,7 @@ Set before anything imports triton or vLLM:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import glob
 import os
@@ -119,6 +120,26 @@ def vllm_engine():
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+
+
+@contextlib.contextmanager
+def record_applied(record_id: str):
+    """Apply atom's record ``record_id`` (forced) for the block, and revert it afterwards only if it
+    was not applied before: an in-process engine built earlier may hold classes the record
+    completes (vLLM caches its attention-backend choice per process), and a later engine in the
+    same process would otherwise get them without the injected methods."""
+    from atom.patches import REGISTRY, State, apply, revert, status
+    from atom.plugin import catalog
+
+    catalog.load()
+    record = REGISTRY.get(record_id)
+    was_applied = status(record).state is State.APPLIED
+    apply(record, enabled=True)
+    try:
+        yield record
+    finally:
+        if not was_applied:
+            revert(record)
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

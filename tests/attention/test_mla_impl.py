@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from atom.ops.mla_prefill import mla_prefill_workspace_bytes
-from atom.patches import REGISTRY, apply, revert
-from atom.plugin import catalog
 from atom.plugin.vllm.attention_mla import ATOMMLABackend, ATOMMLAImpl, ATOMMLAMetadataBuilder
+from tests.conftest import record_applied
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 HEADS, NOPE, ROPE, VDIM = 4, 32, 64, 48
@@ -44,11 +43,8 @@ def vllm_config(tiny_model):
 
 @pytest.fixture
 def plugin_mode():
-    catalog.load()
-    record = REGISTRY.get("vllm.attention.mla_impl")
-    apply(record, enabled=True)
-    yield
-    revert(record)
+    with record_applied("vllm.attention.mla_impl"):
+        yield
 
 
 def _builder(vllm_config, rank):

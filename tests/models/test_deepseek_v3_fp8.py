@@ -303,14 +303,10 @@ def test_parallel_ranks_match_single_rank(tp: int, ep: Optional[int], tmp_path):
 # -- kv_b_proj under vLLM's MLA ----------------------------------------------------------------------
 @pytest.fixture
 def plugin_mode():
-    from atom.patches import REGISTRY, apply, revert
-    from atom.plugin import catalog
+    from tests.conftest import record_applied
 
-    catalog.load()
-    record = REGISTRY.get("vllm.attention.mla_impl")
-    apply(record, enabled=True)
-    yield
-    revert(record)
+    with record_applied("vllm.attention.mla_impl"):
+        yield
 
 
 def _mla_impl(kv_b_proj, heads: int, rank: int, nope: int, vdim: int):
