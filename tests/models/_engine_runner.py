@@ -52,7 +52,7 @@ def stock_mla_kwargs(model_dir: str, engine_kwargs: dict[str, Any]) -> dict[str,
         return {}
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
-    if not (config.get("kv_lora_rank") or config.get("text_config", {}).get("kv_lora_rank")):
+    if not (config.get("kv_lora_rank") or (config.get("text_config") or {}).get("kv_lora_rank")):
         return {}
     from vllm.platforms import current_platform
 
