@@ -13,6 +13,7 @@ off) runs vLLM's CPU_MLA backend (``tests.models._engine_runner.stock_mla_kwargs
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -116,13 +117,25 @@ def _model_info(llm: Any) -> dict[str, Any]:
     return llm.apply_model(info)[0]
 
 
+@contextlib.contextmanager
+def _cpu_without_amx(on: bool):
+    """With ``on``, ``torch.cpu._is_amx_tile_supported`` answers False inside the block (restored
+    after it: ``run`` may be called in-process)."""
+    import torch
+
+    real = torch.cpu._is_amx_tile_supported
+    if on:
+        torch.cpu._is_amx_tile_supported = lambda: False
+    try:
+        yield
+    finally:
+        torch.cpu._is_amx_tile_supported = real
+
+
 def run(model_dir: str, prompts: list, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     kwargs = dict(engine_kwargs or ENGINE_KWARGS)
     check = kwargs.pop("check_steps", False)
-    if kwargs.pop("cpu_without_amx", False):
-        import torch
-
-        torch.cpu._is_amx_tile_supported = lambda: False  # what vLLM's CPU platform asks
+    without_amx = kwargs.pop("cpu_without_amx", False)
     use_vllm_deepseek()
     from vllm import LLM, SamplingParams
 
@@ -131,7 +144,8 @@ def run(model_dir: str, prompts: list, engine_kwargs: dict[str, Any] | None = No
         install_step_check(stats)
     from tests.models._engine_runner import stock_mla_kwargs
 
-    llm = LLM(model=model_dir, **kwargs, **stock_mla_kwargs(model_dir, kwargs))
+    with _cpu_without_amx(without_amx):  # vLLM's CPU platform asks while it builds the config
+        llm = LLM(model=model_dir, **kwargs, **stock_mla_kwargs(model_dir, kwargs))
     stats["active"] = True
     try:
         out: dict[str, Any] = _model_info(llm)

@@ -6,8 +6,8 @@ One kernel call serves prefill, chunked-prefill and decode rows in any order (no
 reordering); a host may offer its own kernel for the steps with multi-token rows
 (:class:`HostPrefill`; vLLM: FlashAttention, ``ATOM_MHA_HOST_PREFILL``). Decoder self-attention
 with GQA, sliding window, sinks and fp8 caches (``fp8`` / ``fp8_e4m3``: ``x / scale`` stored as
-float8_e4m3fn with per-tensor scales, which the kernels dequantise with). A host binds these classes to its attention interface: vLLM through
-``atom.plugin.vllm.attention_mha``.
+float8_e4m3fn with per-tensor scales, which the kernels dequantise with). A host binds these
+classes to its attention interface: vLLM through ``atom.plugin.vllm.attention_mha``.
 """
 
 from __future__ import annotations
