@@ -64,7 +64,7 @@
 #            start only those sides (AB_SWITCH_SIDE's name included), e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
 #            MoE; the sides start one after another). AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side, atom's
-#            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0). AB_ARRIVALS=continuous: C requests
+#            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0; several separated by ';'). AB_ARRIVALS=continuous: C requests
 #            kept in flight instead of batches of C (most steps mixed, as in online serving; bench/ab.py --arrivals),
 #            files suffixed -cont. -> $OUT/ab_<model>[-cont][_c<C>].json, .txt, .logs.txt
 #   archs    issue #17: the architectures atom serves that had not run on a GPU, each of ARCHS (default
@@ -205,9 +205,11 @@ for step in "$@"; do
             sides=(--side "stock:ATOM_DISABLE_VLLM_PLUGIN=1,PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-stock"
                    --side "atom:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-atom${fp8_atom:-}")
             [ -d /tmp/atom-old ] && sides+=(--side "old:PYTHONPATH=/tmp/atom-old:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-old")
-            # AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side, the new atom with those variables (its own
-            # compile cache), e.g. cublas:ATOM_BF16_GEMV=0 -- an A/B of one switch next to stock and atom
-            [ -n "${AB_SWITCH_SIDE:-}" ] && sides+=(--side "${AB_SWITCH_SIDE%%:*}:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-${AB_SWITCH_SIDE%%:*}${fp8_atom:-},${AB_SWITCH_SIDE#*:}")
+            # AB_SWITCH_SIDE=NAME:KEY=VALUE,...[;NAME:...]: more sides, the new atom with those variables (each
+            # its own compile cache), e.g. cublas:ATOM_BF16_GEMV=0 -- an A/B of one switch next to stock and atom
+            IFS=';' read -r -a switch_sides <<< "${AB_SWITCH_SIDE:-}"
+            for sw in "${switch_sides[@]}"; do [ -n "$sw" ] && \
+                sides+=(--side "${sw%%:*}:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-${sw%%:*}${fp8_atom:-},${sw#*:}"); done
             if [ -n "${AB_SIDES:-}" ]; then  # only these sides (e.g. a cold fill of one side per call)
                 keep=(); for ((i = 1; i < ${#sides[@]}; i += 2)); do
                     case ",$AB_SIDES," in *",${sides[i]%%:*},"*) keep+=(--side "${sides[i]}") ;; esac; done
