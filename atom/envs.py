@@ -394,9 +394,10 @@ VARIABLES: dict[str, EnvVar] = {
             "in atom's MHA backend under vLLM on NVIDIA GPUs: `atom` = atom's Triton kernels; "
             "`flash_attn` = one call of vLLM's FlashAttention 3 (`flash_attn_varlen_func`, paged, on "
             "atom's cache) for every row of such a step, for bf16/fp16 layers with a bf16/fp16 cache and "
-            "head sizes that are multiples of 8 up to 256 (atom's kernels for others, for decode-only "
-            "steps, and where FlashAttention 3 does not run); `auto` = the same as `flash_attn`. The "
-            "default stays `atom` until measured on the H100.",
+            "head sizes that are multiples of 8 up to 256 (with sinks: bf16 only; atom's kernels for "
+            "others, for decode-only steps, and where FlashAttention 3 does not run); `auto` = the same "
+            "as `flash_attn`. The default stays `atom`: measured on an H200, the online cell it targets "
+            "was a tie (docs/performance.md).",
             _choice(*MHA_HOST_PREFILLS), ", ".join(MHA_HOST_PREFILLS),
         ),
         EnvVar(

@@ -45,6 +45,8 @@ class StandIn:
         for t in (cu_seqlens_q, seqused_k, block_table):
             assert t.dtype == torch.int32
         assert k.shape == v.shape and k.dim() == 4 and k.stride(-1) == 1
+        # FlashAttention 3 on the H200: "We only support bf16 dtype for S aux"
+        assert s_aux is None or s_aux.dtype == torch.bfloat16, s_aux.dtype
         self.calls.append(dict(window_size=window_size, fa_version=fa_version, rows=q.shape[0], causal=causal,
                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
         left, right = window_size if window_size is not None else (-1, -1)
@@ -121,9 +123,12 @@ def _run_step(shapes, window, sinks, kv_cache_dtype="auto"):
 
 @pytest.mark.parametrize("window,with_sinks", [(None, False), (7, False), (None, True), (5, True), (1, False)])
 def test_a_step_with_multi_token_rows_is_one_host_call_equal_to_dense_attention(stand_in, window, with_sinks):
-    sinks = torch.randn(NUM_HEADS) if with_sinks else None
+    # sinks a bf16 checkpoint holds (GPT-OSS's): the host's bf16 copy is exact
+    sinks = torch.randn(NUM_HEADS).bfloat16().float() if with_sinks else None
     impl, got, want = _run_step(MIXED, window, sinks)
     assert impl.host_prefill is not None and impl.host_prefill_declined is None
+    if with_sinks:  # atom's kernels keep float32 sinks, FlashAttention 3 gets its bf16 copy
+        assert impl.sinks.dtype == torch.float32 and impl.host_prefill_sinks.dtype == torch.bfloat16
     assert len(stand_in.calls) == 1
     call = stand_in.calls[0]
     assert call["rows"] == sum(n for _, n in MIXED) and call["fa_version"] == 3 and call["causal"]
@@ -177,7 +182,9 @@ def test_each_layer_says_once_which_kernel_its_prefill_steps_run(stand_in, monke
 
 @pytest.mark.parametrize("args,why", [
     ((32, 8, 128, torch.bfloat16, "auto", False), None),
-    ((64, 8, 64, torch.float16, "float16", True), None),
+    ((64, 8, 64, torch.float16, "float16", False), None),
+    ((64, 8, 64, torch.bfloat16, "bfloat16", True), None),
+    ((64, 8, 64, torch.float16, "float16", True), "bf16 only"),
     ((32, 8, 128, torch.float32, "auto", False), "bf16/fp16"),
     ((32, 8, 128, torch.bfloat16, "fp8", False), "fp8"),
     ((32, 8, 128, torch.bfloat16, "fp8_e4m3", False), "fp8"),
@@ -251,9 +258,11 @@ def test_gpu_flash_attention_steps_match_atoms_kernels(window, with_sinks, monke
         seq_lens=torch.tensor([c + n for c, n in shapes], dtype=torch.int32, device=dev), block_table=block_table,
         slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=dev))
     q = torch.randn(int(qsl[-1]), heads, d, device=dev, dtype=dt)
-    sinks = torch.randn(heads, device=dev, dtype=torch.float32) if with_sinks else None
+    sinks = torch.randn(heads, device=dev).bfloat16().float() if with_sinks else None
     scale = d ** -0.5
-    got = offer.run(q, cache[0], cache[1], torch.empty_like(q), md, scale, window, sinks)
+    assert offer.sinks_dtype == torch.bfloat16  # FlashAttention 3 takes no other (the layer keeps that copy)
+    got = offer.run(q, cache[0], cache[1], torch.empty_like(q), md, scale, window,
+                    None if sinks is None else sinks.to(offer.sinks_dtype))
     want = ops.paged_attention(q, cache[0], cache[1], block_table, md.seq_lens, qsl, md.max_query_len,
                                md.max_seq_len, scale, sliding_window=window, sinks=sinks)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

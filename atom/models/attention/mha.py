@@ -55,12 +55,15 @@ class HostPrefill(NamedTuple):
       are processed.
     * ``run(q, key_cache, value_cache, out, md, scale, sliding_window, sinks)``: attention as
       :func:`atom.ops.paged_attention` computes it (``q [T, H, D]``, the NHD caches, ``md`` a
-      :class:`PagedAttentionMetadata`, ``sliding_window`` atom's ``W`` or None, ``sinks`` float32
-      ``[H]`` or None), written into ``out [T, H, D]``, which it returns."""
+      :class:`PagedAttentionMetadata`, ``sliding_window`` atom's ``W`` or None, ``sinks`` ``[H]``
+      in ``sinks_dtype`` or None), written into ``out [T, H, D]``, which it returns.
+    * ``sinks_dtype``: the dtype ``run`` takes the sinks in (the layer keeps that copy once, at
+      load); float32 by default, as atom's kernels take them."""
 
     name: str
     declines: Callable[[int, int, int, torch.dtype, str, bool], Optional[str]]
     run: Callable[..., torch.Tensor]
+    sinks_dtype: torch.dtype = torch.float32
 
 
 _HOST_PREFILL: Optional[HostPrefill] = None
@@ -227,6 +230,8 @@ class PagedAttentionImpl:
         #: (:meth:`choose_host_prefill`); why not, in ``host_prefill_declined``
         self.host_prefill: Optional[HostPrefill] = None
         self.host_prefill_declined: Optional[str] = None
+        #: the sinks in the dtype the host's kernel takes them (``HostPrefill.sinks_dtype``)
+        self.host_prefill_sinks: Optional[torch.Tensor] = None
         self._workspace_seqs = max_num_seqs
         self._block_size = block_size
 
@@ -257,6 +262,8 @@ class PagedAttentionImpl:
                                                       act_dtype, self.kv_cache_dtype, self.sinks is not None)
         self.host_prefill = host if host is not None and why is None else None
         self.host_prefill_declined = why
+        self.host_prefill_sinks = (self.sinks.to(self.host_prefill.sinks_dtype)
+                                   if self.host_prefill is not None and self.sinks is not None else None)
         return self.host_prefill
 
     def warm_up_kernels(self, act_dtype: torch.dtype) -> int:
@@ -299,7 +306,7 @@ class PagedAttentionImpl:
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> torch.Tensor:
         if self.host_prefill is not None and md.max_query_len > 1:
             return self.host_prefill.run(query, key_cache, value_cache, out, md, self.scale, self.sliding_window,
-                                         self.sinks)
+                                         self.host_prefill_sinks)
         from atom.ops import paged_attention
 
         scales = dict(k_scale=k_scale, v_scale=v_scale) if self.fp8_cache else {}

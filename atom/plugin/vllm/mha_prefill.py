@@ -14,7 +14,7 @@ kernels.
 50) = atom's kernels always; ``flash_attn`` = vLLM's FlashAttention 3 where it runs (Hopper); ``auto``
 = the same. Where it does not run (no NVIDIA GPU, another FlashAttention version than 3, a changed
 interface) or does not take a layer (fp32, an fp8 cache, head size above 256 or not a multiple of
-8), atom's kernels serve, and one line says why. Installed once per process, when vLLM builds the
+8, sinks with fp16 activations), atom's kernels serve, and one line says why. Installed once per process, when vLLM builds the
 first atom MHA layer.
 """
 
@@ -47,13 +47,18 @@ def _declines(num_heads: int, num_kv_heads: int, head_size: int, dtype: Any, kv_
         return f"KV cache dtype {kv_cache_dtype} (FlashAttention would need fp8 queries)"
     if head_size > MAX_HEAD_SIZE or head_size % 8:
         return f"head size {head_size} (FlashAttention 3: a multiple of 8 up to {MAX_HEAD_SIZE})"
-    return None  # GQA and sinks (``s_aux``) are FlashAttention 3's own
+    if has_sinks and dtype != torch.bfloat16:
+        return f"sinks with {dtype} activations (FlashAttention 3 takes sinks, ``s_aux``, in bf16 only)"
+    return None  # GQA and sinks (``s_aux``, bf16) are FlashAttention 3's own
 
 
 def host_prefill_from(varlen: Callable[..., Any], fa_version: int) -> HostPrefill:
     """The :class:`HostPrefill` calling ``varlen`` (vLLM's ``flash_attn_varlen_func``) as vLLM's
     ``FlashAttentionImpl.forward`` calls it for a decoder layer: atom's sliding window ``W`` (the
-    last ``W`` keys, the query's own included) is FlashAttention's ``(W - 1, 0)``."""
+    last ``W`` keys, the query's own included) is FlashAttention's ``(W - 1, 0)``; sinks in bf16,
+    the only dtype FlashAttention 3 takes them in ("We only support bf16 dtype for S aux", measured
+    on the H200; GPT-OSS checkpoints store them in bf16, so the copy is exact there)."""
+    import torch
 
     def run(q: Any, key_cache: Any, value_cache: Any, out: Any, md: Any, scale: float,
             sliding_window: Optional[int], sinks: Any) -> Any:
@@ -64,7 +69,7 @@ def host_prefill_from(varlen: Callable[..., Any], fa_version: int) -> HostPrefil
                block_table=md.block_table, fa_version=fa_version, s_aux=sinks)
         return out
 
-    return HostPrefill(FLASH_ATTN, _declines, run)
+    return HostPrefill(FLASH_ATTN, _declines, run, sinks_dtype=torch.bfloat16)
 
 
 def flash_attn_prefill() -> Optional[HostPrefill]:
