@@ -100,6 +100,11 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/gpu_2026-11-27j/ab_moe-dummy_L48_launch2_c128.json"},
     {"path": "bench/results/gpu_2026-11-27j/ab_moe-dummy_L48_launch3_c1.json"},
     {"path": "bench/results/gpu_2026-11-27j/ab_moe-dummy_L48_launch3_c128.json"},
+    # The online-serving cell (continuous arrivals, Qwen3-8B dims, 36 layers, dummy weights, C=64),
+    # H200 (2026-11-28): stock vs atom with direct launches and the GEMV off ("lean") and the same with
+    # ATOM_MHA_HOST_PREFILL=flash_attn ("fa"); two launches in two commands after a cold fill
+    {"path": "bench/results/h200_2026-11-28/ab_dense-dummy-cont_launch1.json"},
+    {"path": "bench/results/h200_2026-11-28/ab_dense-dummy-cont_launch2.json"},
 ]
 
 
