@@ -138,6 +138,18 @@ def test_ab_switch_side_is_the_new_wheel_with_its_variables(tmp_path):
     assert [argv[i + 1].split(":")[0] for i, v in enumerate(argv) if v == "--side"] == ["atom", "cublas"]
 
 
+def test_ab_switch_sides_separated_by_semicolons(tmp_path):
+    """Several switch sides (``;``), each with its own variables and compile cache, in order."""
+    calls, _ = _run_step(tmp_path, "ab", AB_SIDES="stock,lean,fa",
+                         AB_SWITCH_SIDE="lean:ATOM_BF16_GEMV=0;fa:ATOM_BF16_GEMV=0,ATOM_MHA_HOST_PREFILL=flash_attn")
+    argv = _script_calls(calls, "bench/ab.py")[0]["argv"]
+    sides = [argv[i + 1] for i, v in enumerate(argv) if v == "--side"]
+    assert [x.split(":")[0] for x in sides] == ["stock", "lean", "fa"]
+    assert sides[1] == "lean:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-lean,ATOM_BF16_GEMV=0"
+    assert sides[2] == ("fa:PYTHONPATH=/tmp/atom-new:/tmp/site,VLLM_CACHE_ROOT=/tmp/vcache-fa,ATOM_BF16_GEMV=0,"
+                        "ATOM_MHA_HOST_PREFILL=flash_attn")
+
+
 def test_ab_arrivals_reach_ab_py_and_keep_the_model_label(tmp_path):
     """AB_ARRIVALS=continuous: ab.py keeps C requests in flight; the record's label stays the
     model's (latest.py tells the cells apart by their arrivals), the files get -cont."""
