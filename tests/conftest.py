@@ -142,6 +142,27 @@ def record_applied(record_id: str):
             revert(record)
 
 
+@contextlib.contextmanager
+def records_as_found(*record_ids: str):
+    """Leave atom's records ``record_ids`` as the block found them (applied ones applied again,
+    forced; the others reverted), whatever the block applied or reverted: engines built later in
+    the same process rely on classes the records complete (see :func:`record_applied`)."""
+    from atom.patches import REGISTRY, apply, is_applied, revert
+    from atom.plugin import catalog
+
+    catalog.load()
+    records = [REGISTRY.get(r) for r in record_ids]
+    before = {record.id for record in records if is_applied(record)}
+    try:
+        yield records
+    finally:
+        for record in records:
+            if record.id in before:
+                apply(record, enabled=True)
+            else:
+                revert(record)
+
+
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (own plugin state), from the repo root."""
     full_env = {**os.environ, **(env or {})}

@@ -5,7 +5,7 @@ from packaging.version import Version
 
 from atom import doctor
 from atom.patches import revert
-from tests.conftest import run_python
+from tests.conftest import records_as_found, run_python
 
 
 @pytest.fixture(autouse=True)
@@ -18,25 +18,18 @@ def clean_env(monkeypatch):
     for name in ("ATOM_DISABLE_VLLM_PLUGIN", "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION",
                  "ATOM_DISABLED_PATCHES", "ATOM_ALLOW_UNSUPPORTED_VLLM", "ATOM_OPS_BACKEND"):
         monkeypatch.delenv(name, raising=False)
-    from atom.patches import REGISTRY, apply, is_applied
+    from atom.patches import REGISTRY
     from atom.plugin import catalog
 
     catalog.load()
-    VLLM_RECORDS = REGISTRY.select("vllm")
-
     # Each test starts with every record reverted (doctor's report then reflects its own checks)
     # and leaves the process as found: engines later in this process rely on vLLM's cached
     # backend choice, which does not re-apply atom's decorators.
-    before = {rec.id for rec in VLLM_RECORDS if is_applied(rec)}
-    for rec in VLLM_RECORDS:
-        revert(rec)
-    yield
-    monkeypatch.undo()  # the test's fakes (e.g. an old vLLM version) must not judge the restore
-    for rec in VLLM_RECORDS:
-        if rec.id in before:
-            apply(rec, enabled=True)
-        else:
+    with records_as_found(*(rec.id for rec in REGISTRY.select("vllm"))) as vllm_records:
+        for rec in vllm_records:
             revert(rec)
+        yield
+        monkeypatch.undo()  # the test's fakes (e.g. an old vLLM version) must not judge the restore
 
 
 def _run(capsys):

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.conftest import record_applied, records_as_found
+
 
 def _fp8_layer():
     from atom.models._moe import FusedMoE
@@ -40,12 +42,8 @@ def _record(record_id):
 
 @pytest.fixture
 def applied():
-    from atom.patches import apply, revert
-    FUSED_MOE_PLUGIN_MODE = _record("vllm.moe.atom_fused_moe_post_load")
-
-    apply(FUSED_MOE_PLUGIN_MODE)
-    yield FUSED_MOE_PLUGIN_MODE
-    revert(FUSED_MOE_PLUGIN_MODE)
+    with record_applied("vllm.moe.atom_fused_moe_post_load") as record:
+        yield record
 
 
 def test_record_lists_exactly_the_injected_members(applied):
@@ -97,14 +95,15 @@ def test_revert_restores_the_class():
     from atom.patches import apply, is_applied, revert
     FUSED_MOE_PLUGIN_MODE = _record("vllm.moe.atom_fused_moe_post_load")
 
-    revert(FUSED_MOE_PLUGIN_MODE)
-    before = dict(FusedMoE.__dict__)
-    assert "quant_method" not in before
-    apply(FUSED_MOE_PLUGIN_MODE)
-    assert is_applied(FUSED_MOE_PLUGIN_MODE) and "quant_method" in FusedMoE.__dict__
-    assert revert(FUSED_MOE_PLUGIN_MODE)
-    assert dict(FusedMoE.__dict__) == before
-    assert not hasattr(_fp8_layer(), "quant_method")
+    with records_as_found(FUSED_MOE_PLUGIN_MODE.id):
+        revert(FUSED_MOE_PLUGIN_MODE)
+        before = dict(FusedMoE.__dict__)
+        assert "quant_method" not in before
+        apply(FUSED_MOE_PLUGIN_MODE)
+        assert is_applied(FUSED_MOE_PLUGIN_MODE) and "quant_method" in FusedMoE.__dict__
+        assert revert(FUSED_MOE_PLUGIN_MODE)
+        assert dict(FusedMoE.__dict__) == before
+        assert not hasattr(_fp8_layer(), "quant_method")
 
 
 def test_register_model_arms_them(monkeypatch):
@@ -129,24 +128,25 @@ def test_vllm_loader_post_processing_runs_fp8_linear_repack():
     LINEAR_PLUGIN_MODE = _record("vllm.linear.atom_fp8_linear_post_load")
     from atom.testing.tiny_models import quantize_fp8
 
-    apply(LINEAR_PLUGIN_MODE)
-    try:
-        layer = ColumnParallelLinear.merged(32, [32, 32], ModelParallel(), dtype=torch.float32,
-                                            quant=Fp8Spec(block=(16, 16)))
-        exact = []
-        for shard in (0, 1):
-            w, s = quantize_fp8(torch.randn(32, 32), [16, 16])
-            layer.load_weight("weight", w, shard)
-            layer.load_weight("weight_scale_inv", s, shard)
-            exact.append(w.float() * s.repeat_interleave(16, 0).repeat_interleave(16, 1))
-        model = torch.nn.Module()
-        model.proj = layer
-        process_weights_after_loading(model, SimpleNamespace(dtype=torch.float32, quantization=None,
-                                                             word_embeddings_untied_by_checkpoint=False),
-                                      torch.device("cpu"))
-        assert layer.weight.dtype == torch.float8_e4m3fn and layer.fp8_block == (16, 16)
-        x = torch.randn(3, 32)
-        torch.testing.assert_close(layer(x), x @ torch.cat(exact).t(), atol=1e-4, rtol=1e-4)
-    finally:
-        revert(LINEAR_PLUGIN_MODE)
-    assert "quant_method" not in Fp8Linear.__dict__
+    with records_as_found(LINEAR_PLUGIN_MODE.id):
+        apply(LINEAR_PLUGIN_MODE)
+        try:
+            layer = ColumnParallelLinear.merged(32, [32, 32], ModelParallel(), dtype=torch.float32,
+                                                quant=Fp8Spec(block=(16, 16)))
+            exact = []
+            for shard in (0, 1):
+                w, s = quantize_fp8(torch.randn(32, 32), [16, 16])
+                layer.load_weight("weight", w, shard)
+                layer.load_weight("weight_scale_inv", s, shard)
+                exact.append(w.float() * s.repeat_interleave(16, 0).repeat_interleave(16, 1))
+            model = torch.nn.Module()
+            model.proj = layer
+            process_weights_after_loading(model, SimpleNamespace(dtype=torch.float32, quantization=None,
+                                                                 word_embeddings_untied_by_checkpoint=False),
+                                          torch.device("cpu"))
+            assert layer.weight.dtype == torch.float8_e4m3fn and layer.fp8_block == (16, 16)
+            x = torch.randn(3, 32)
+            torch.testing.assert_close(layer(x), x @ torch.cat(exact).t(), atol=1e-4, rtol=1e-4)
+        finally:
+            revert(LINEAR_PLUGIN_MODE)
+        assert "quant_method" not in Fp8Linear.__dict__
