@@ -10,12 +10,12 @@ every row of such a step in one call, on atom's own cache: atom's NHD halves
 sequence lengths and query offsets. Decode-only steps (captured in full CUDA graphs) keep atom's
 kernels.
 
-``ATOM_MHA_HOST_PREFILL``: ``atom`` (the default until the H100 measurement, bench/NOTES.md entry
-50) = atom's kernels always; ``flash_attn`` = vLLM's FlashAttention 3 where it runs (Hopper); ``auto``
-= the same. Where it does not run (no NVIDIA GPU, another FlashAttention version than 3, a changed
-interface) or does not take a layer (fp32, an fp8 cache, head size above 256 or not a multiple of
-8, sinks with fp16 activations), atom's kernels serve, and one line says why. Installed once per process, when vLLM builds the
-first atom MHA layer.
+``ATOM_MHA_HOST_PREFILL``: ``atom`` (the default: on an H200 the online cell it targets was a tie,
+bench/NOTES.md entry 51) = atom's kernels always; ``flash_attn`` = vLLM's FlashAttention 3 where it
+runs (Hopper); ``auto`` = the same. Where it does not run (no NVIDIA GPU, another FlashAttention
+version than 3, a changed interface) or does not take a layer (fp32, an fp8 cache, head size above
+256 or not a multiple of 8, sinks with fp16 activations), atom's kernels serve, and one line says
+why. Installed once per process, when vLLM builds the first atom MHA layer.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _declines(num_heads: int, num_kv_heads: int, head_size: int, dtype: Any, kv_
     if head_size > MAX_HEAD_SIZE or head_size % 8:
         return f"head size {head_size} (FlashAttention 3: a multiple of 8 up to {MAX_HEAD_SIZE})"
     if has_sinks and dtype != torch.bfloat16:
-        return f"sinks with {dtype} activations (FlashAttention 3 takes sinks, ``s_aux``, in bf16 only)"
+        return f"sinks with {dtype} activations (FlashAttention 3 takes sinks, s_aux, in bf16 only)"
     return None  # GQA and sinks (``s_aux``, bf16) are FlashAttention 3's own
 
 
