@@ -18,7 +18,10 @@ left out):
 Per scenario and side: ``host_us``, the median over ``--repeats`` of the wall time of ``--iters``
 back-to-back call pairs launched without synchronising (the launch queue holds them, so this is
 the host's cost while the GPU keeps up), and ``synced_us``, the same loop including the final
-synchronisation (the larger of host and GPU time per call). Scenarios (Qwen3-8B attention: 32
+synchronisation (the larger of host and GPU time per call), and ``gpu_us``, the call's GPU time
+alone (GPU only: each call's launches queued behind a GPU sleep, so the host's pace does not show,
+timed with CUDA events; a call whose ``host_us`` exceeds it is host-bound, one whose
+``synced_us`` is near it GPU-bound). Scenarios (Qwen3-8B attention: 32
 query / 8 KV heads of 128, bf16, 16-token pages): ``mixed-256`` (255 decode rows with 200 tokens
 of context + one 128-token prefill), ``mixed-64``, ``prefill-16x128`` and ``decode-256`` (the
 last runs inside full graphs in a served engine; here eager, for reference).
@@ -42,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -363,6 +366,25 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def gpu_time_us(call: Callable[[], Any], repeats: int, device: str) -> Optional[float]:
+    """Median GPU microseconds of one call with its launches queued behind a 2 ms GPU sleep (the
+    host has enqueued them all before the GPU reaches the first: CUDA events then time the kernels
+    alone); None off CUDA."""
+    if device != "cuda":
+        return None
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000)  # ~2 ms at ~2 GHz, well above one call's host time
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1e3 * start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def run_scenarios(args: argparse.Namespace, scenarios: tuple, dims: dict, dtype: torch.dtype, device: str,
                   sync: Callable[[], None], result: dict) -> None:
     for sc in scenarios:
@@ -375,8 +397,13 @@ def run_scenarios(args: argparse.Namespace, scenarios: tuple, dims: dict, dtype:
             got = call().float()
             err = (got - want).abs().max().item()
             timing = time_calls(call, args.iters, args.repeats, sync)
+            try:
+                timing["gpu_us"] = gpu_time_us(call, args.repeats, device)
+            except (RuntimeError, AttributeError) as e:  # a diagnostic: never the run's end
+                timing["gpu_us"], timing["gpu_us_error"] = None, repr(e)
             cell[name] = dict(timing, max_abs_err=err)
-            print(f"{sc.name:16s} {name:10s} host {timing['host_us']:7.1f} us  synced {timing['synced_us']:7.1f} us"
+            gpu = "" if timing["gpu_us"] is None else f"  gpu {timing['gpu_us']:7.1f} us"
+            print(f"{sc.name:16s} {name:10s} host {timing['host_us']:7.1f} us  synced {timing['synced_us']:7.1f} us{gpu}"
                   f"  (host range {timing['host_us_range'][0]:.1f}-{timing['host_us_range'][1]:.1f}; max |err| {err:.2e})",
                   flush=True)
 

@@ -40,6 +40,30 @@ def test_smoke_run_matches_the_reference(tmp_path):
     assert cell["tokens"] == 5 + 2 * 7 and cell["requests"] == 7
     assert cell["atom"]["max_abs_err"] < 1e-4
     assert cell["atom"]["host_us"] > 0 and cell["atom"]["synced_us"] >= cell["atom"]["host_us"]
+    assert cell["atom"]["gpu_us"] is None  # GPU time: CUDA only
+
+
+def test_gpu_time_queues_the_call_behind_a_gpu_sleep(monkeypatch):
+    """``gpu_us``: per repeat, synchronise, sleep on the GPU, then the call between two events (its
+    launches are all queued before the GPU reaches them); the median of the events' times in us."""
+    log, elapsed = [], iter([0.05, 0.02, 0.03])
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            log.append("record")
+
+        def elapsed_time(self, end):
+            return next(elapsed)
+
+    monkeypatch.setattr(ah.torch.cuda, "Event", Event)
+    monkeypatch.setattr(ah.torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(ah.torch.cuda, "_sleep", lambda cycles: log.append("sleep"))
+    assert ah.gpu_time_us(lambda: log.append("call"), 3, "cuda") == 30.0
+    assert log == ["sync", "sleep", "record", "call", "record", "sync"] * 3
+    assert ah.gpu_time_us(lambda: None, 3, "cpu") is None
 
 
 def test_reference_is_causal_attention():
