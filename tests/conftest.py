@@ -128,18 +128,11 @@ def record_applied(record_id: str):
     was not applied before: an in-process engine built earlier may hold classes the record
     completes (vLLM caches its attention-backend choice per process), and a later engine in the
     same process would otherwise get them without the injected methods."""
-    from atom.patches import REGISTRY, State, apply, revert, status
-    from atom.plugin import catalog
+    from atom.patches import apply
 
-    catalog.load()
-    record = REGISTRY.get(record_id)
-    was_applied = status(record).state is State.APPLIED
-    apply(record, enabled=True)
-    try:
+    with records_as_found(record_id) as (record,):
+        apply(record, enabled=True)
         yield record
-    finally:
-        if not was_applied:
-            revert(record)
 
 
 @contextlib.contextmanager

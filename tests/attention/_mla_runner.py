@@ -117,21 +117,6 @@ def _model_info(llm: Any) -> dict[str, Any]:
     return llm.apply_model(info)[0]
 
 
-@contextlib.contextmanager
-def _cpu_without_amx(on: bool):
-    """With ``on``, ``torch.cpu._is_amx_tile_supported`` answers False inside the block (restored
-    after it: ``run`` may be called in-process)."""
-    import torch
-
-    real = torch.cpu._is_amx_tile_supported
-    if on:
-        torch.cpu._is_amx_tile_supported = lambda: False
-    try:
-        yield
-    finally:
-        torch.cpu._is_amx_tile_supported = real
-
-
 def run(model_dir: str, prompts: list, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     kwargs = dict(engine_kwargs or ENGINE_KWARGS)
     check = kwargs.pop("check_steps", False)
@@ -144,7 +129,12 @@ def run(model_dir: str, prompts: list, engine_kwargs: dict[str, Any] | None = No
         install_step_check(stats)
     from tests.models._engine_runner import stock_mla_kwargs
 
-    with _cpu_without_amx(without_amx):  # vLLM's CPU platform asks while it builds the config
+    # vLLM's CPU platform asks while it builds the config; restored after (run may be called in-process)
+    import torch
+    from unittest import mock
+
+    no_amx = mock.patch.object(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with no_amx if without_amx else contextlib.nullcontext():
         llm = LLM(model=model_dir, **kwargs, **stock_mla_kwargs(model_dir, kwargs))
     stats["active"] = True
     try:
