@@ -105,6 +105,7 @@ RECORDS: list[dict[str, Any]] = [
     # ATOM_MHA_HOST_PREFILL=flash_attn ("fa"); two launches in two commands after a cold fill
     {"path": "bench/results/h200_2026-11-28/ab_dense-dummy-cont_launch1.json"},
     {"path": "bench/results/h200_2026-11-28/ab_dense-dummy-cont_launch2.json"},
+    {"path": "bench/results/h200_2026-11-28e/ab_dense-dummy-cont_launch3.json"},
 ]
 
 
