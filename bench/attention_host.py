@@ -15,7 +15,8 @@ left out):
 * **stock**: ``FlashAttentionImpl`` with ``FlashAttentionMetadata`` (no AOT scheduler metadata,
   no cascade), on FlashAttention's cache layout and stride order.
 
-Per scenario and side: ``host_us``, the median over ``--repeats`` of the wall time of ``--iters``
+Per scenario and side (the sides' loops interleaved in one process, their order rotated each
+repeat): ``host_us``, the median over ``--repeats`` of the wall time of ``--iters``
 back-to-back call pairs launched without synchronising (the launch queue holds them, so this is
 the host's cost while the GPU keeps up), and ``synced_us``, the same loop including the final
 synchronisation (the larger of host and GPU time per call), and ``gpu_us``, the call's GPU time
@@ -31,13 +32,14 @@ last runs inside full graphs in a served engine; here eager, for reference).
     python bench/attention_host.py --sides atom --stub-kernels --label atom-python  # the Python alone
     python bench/attention_host.py --launch-probe ...                              # + bare Triton launches
     python bench/attention_host.py --smoke --sides atom                             # CPU check
-    ATOM_MHA_HOST_PREFILL=flash_attn python bench/attention_host.py --sides atom --label atom-fa
+    python bench/attention_host.py --sides atom,atom-fa,stock   # + atom on FlashAttention 3, all in one process
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -141,9 +143,20 @@ def _cache_view(shape: tuple, stride_order: tuple, dtype: torch.dtype, device: s
 
 
 # -- the sides ------------------------------------------------------------------------------------
+def fa_offer() -> Any:
+    """vLLM's FlashAttention 3 as atom's plugin offers it to its MHA layers (None where it does not
+    run here)."""
+    from atom.plugin.vllm.mha_prefill import flash_attn_prefill
+
+    return flash_attn_prefill()
+
+
 def atom_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
-              device: str) -> Callable[[], torch.Tensor]:
-    """atom's impl as vLLM calls it; returns one step's call pair (output tensor)."""
+              device: str, host_prefill: bool = False) -> Callable[[], torch.Tensor]:
+    """atom's impl as vLLM calls it; returns one step's call pair (output tensor). With
+    ``host_prefill`` its steps with multi-token rows run on vLLM's FlashAttention 3
+    (``ATOM_MHA_HOST_PREFILL=flash_attn``, offered to this layer only, whatever the variable says),
+    so that both settings can be timed in one process."""
     from atom.patches import REGISTRY, Injection, apply
     from atom.plugin import catalog
 
@@ -155,8 +168,23 @@ def atom_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dty
     from atom.plugin.vllm import compat
     from atom.plugin.vllm.attention_mha import ATOMAttentionBackend, ATOMAttentionImpl
 
+    from atom.models.attention import mha
+
     impl = ATOMAttentionImpl(heads, head_dim, head_dim ** -0.5, kv_heads, None, None, "auto", None, "decoder", None)
-    impl.process_weights_after_loading(dtype)
+    if host_prefill:
+        offer = fa_offer()
+        if offer is None:
+            raise SystemExit("the atom-fa side needs vLLM's FlashAttention 3 (an NVIDIA Hopper GPU)")
+        before = mha.host_prefill()
+        mha.set_host_prefill(offer)
+        try:
+            impl.process_weights_after_loading(dtype)
+        finally:
+            mha.set_host_prefill(before)
+        if impl.host_prefill is None:
+            raise SystemExit(f"FlashAttention declined the layer: {impl.host_prefill_declined}")
+    else:
+        impl.process_weights_after_loading(dtype)
     if compat.has_get_kv_cache_shape():  # <= 0.28: the shape atom's backend asked for
         kv = torch.zeros(ATOMAttentionBackend.get_kv_cache_shape(b.num_blocks, page, kv_heads, head_dim),
                          dtype=dtype, device=device)
@@ -211,7 +239,7 @@ def stock_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dt
     return call
 
 
-SIDES = {"atom": atom_side, "stock": stock_side}
+SIDES = {"atom": atom_side, "atom-fa": functools.partial(atom_side, host_prefill=True), "stock": stock_side}
 
 
 class _NoLaunch:
@@ -284,26 +312,43 @@ def reference(b: Batch) -> torch.Tensor:
 
 def time_calls(call: Callable[[], Any], iters: int, repeats: int, sync: Callable[[], None]) -> dict:
     """Median host and synced microseconds per call over ``repeats`` loops of ``iters`` calls."""
-    for _ in range(3):
-        call()
+    return time_interleaved({"call": call}, iters, repeats, sync)["call"]
+
+
+def time_interleaved(calls: dict[str, Callable[[], Any]], iters: int, repeats: int,
+                     sync: Callable[[], None]) -> dict[str, dict]:
+    """:func:`time_calls` for several sides at once, their loops interleaved: each repeat times one
+    loop of every side, in an order rotated by one side per repeat, so that a drift of the host's
+    speed (up to 2x between processes on the GPU machine, bench/NOTES.md entry 52) reaches every
+    side alike."""
+    names = list(calls)
+    for name in names:
+        for _ in range(3):
+            calls[name]()
     sync()
-    host, synced = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            call()
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        host.append(1e6 * (t1 - t0) / iters)
-        synced.append(1e6 * (t2 - t0) / iters)
-    return {"host_us": statistics.median(host), "host_us_range": [min(host), max(host)],
-            "synced_us": statistics.median(synced), "iters": iters, "repeats": repeats}
+    host: dict[str, list] = {n: [] for n in names}
+    synced: dict[str, list] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            call = calls[name]
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            host[name].append(1e6 * (t1 - t0) / iters)
+            synced[name].append(1e6 * (t2 - t0) / iters)
+    return {n: {"host_us": statistics.median(host[n]), "host_us_range": [min(host[n]), max(host[n])],
+                "synced_us": statistics.median(synced[n]), "iters": iters, "repeats": repeats,
+                "interleaved": names} for n in names}
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sides", default="atom,stock")
+    ap.add_argument("--sides", default="atom,stock",
+                    help="of atom, atom-fa (atom with its multi-token steps on vLLM's FlashAttention 3), stock; "
+                         "timed interleaved in this process")
     ap.add_argument("--label", default="", help="name of the atom side in the output (e.g. atom-old)")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=15)
@@ -391,12 +436,14 @@ def run_scenarios(args: argparse.Namespace, scenarios: tuple, dims: dict, dtype:
         b = build_batch(sc, **dims, dtype=dtype, device=device)
         want = reference(b)
         cell = result["scenarios"][sc.name] = {"tokens": int(b.q.shape[0]), "requests": int(b.seq_lens.shape[0])}
+        calls, errors = {}, {}
         for side in args.sides.split(","):
             name = (args.label or side) if side == "atom" else side
-            call = SIDES[side](b, **dims, dtype=dtype, device=device)
-            got = call().float()
-            err = (got - want).abs().max().item()
-            timing = time_calls(call, args.iters, args.repeats, sync)
+            calls[name] = SIDES[side](b, **dims, dtype=dtype, device=device)
+            errors[name] = (calls[name]().float() - want).abs().max().item()
+        timings = time_interleaved(calls, args.iters, args.repeats, sync)
+        for name, call in calls.items():
+            timing, err = timings[name], errors[name]
             try:
                 timing["gpu_us"] = gpu_time_us(call, args.repeats, device)
             except (RuntimeError, AttributeError) as e:  # a diagnostic: never the run's end
@@ -406,7 +453,6 @@ def run_scenarios(args: argparse.Namespace, scenarios: tuple, dims: dict, dtype:
             print(f"{sc.name:16s} {name:10s} host {timing['host_us']:7.1f} us  synced {timing['synced_us']:7.1f} us{gpu}"
                   f"  (host range {timing['host_us_range'][0]:.1f}-{timing['host_us_range'][1]:.1f}; max |err| {err:.2e})",
                   flush=True)
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -97,3 +97,42 @@ def test_stubbed_kernels_launch_nothing(monkeypatch):
     out = call()
     out.fill_(7.0)
     assert (call() == 7.0).all()  # nothing written any more
+
+
+def test_sides_are_timed_interleaved_in_rotating_order(monkeypatch):
+    """Each repeat times one loop of every side, the order rotated by one side per repeat, after
+    every side's warm-up: a drift of the host's speed then reaches all sides alike."""
+    log = []
+    calls = {n: (lambda n=n: log.append(n)) for n in ("a", "b", "c")}
+    ticks = iter(range(1000))
+    monkeypatch.setattr(ah.time, "perf_counter", lambda: next(ticks))
+    t = ah.time_interleaved(calls, 2, 3, lambda: log.append("|"))
+    assert log == ["a"] * 3 + ["b"] * 3 + ["c"] * 3 + ["|"] + [
+        x for order in ("abc", "bca", "cab") for side in order for x in (side, side, "|")]
+    assert set(t) == {"a", "b", "c"} and t["a"]["repeats"] == 3 and t["a"]["interleaved"] == ["a", "b", "c"]
+    # each loop of 2 calls spans 1 tick before the sync and 2 with it: 0.5 and 1.0 per call
+    assert t["b"]["host_us"] == 0.5e6 and t["b"]["synced_us"] == 1e6
+
+
+def test_atom_fa_side_runs_multi_token_steps_on_the_offer_in_the_same_process(monkeypatch, tmp_path):
+    """``atom-fa``: atom's layer with vLLM's FlashAttention offered to it alone (here the test
+    stand-in for the kernel), timed next to the plain atom side; both match the reference, only
+    the atom-fa side calls the offer, and the process-wide offer is left as it was."""
+    from atom.models.attention import mha
+    from atom.plugin.vllm import mha_prefill
+    from tests.attention.test_mha_host_prefill import StandIn
+
+    fake = StandIn()
+    offer = mha_prefill.host_prefill_from(fake, 3)
+    # the CPU smoke runs in float32; the plugin's checks otherwise (FlashAttention takes bf16/fp16)
+    monkeypatch.setattr(ah, "fa_offer", lambda: offer._replace(
+        declines=lambda n, kv, d, dtype, cache, sinks: mha_prefill._declines(n, kv, d, torch.bfloat16, cache, sinks)))
+    monkeypatch.setattr(mha_prefill, "install", lambda: None)  # vLLM's own offer: none on this CPU
+    mha.set_host_prefill(None)
+    out = tmp_path / "host.json"
+    assert ah.main(["--smoke", "--sides", "atom,atom-fa", "--iters", "2", "--repeats", "2", "--json", str(out)]) == 0
+    cell = json.loads(out.read_text())["scenarios"]["mixed-smoke"]
+    assert cell["atom"]["max_abs_err"] < 1e-4 and cell["atom-fa"]["max_abs_err"] < 1e-4
+    # the atom-fa side's calls: its check, 3 warm-ups, 2 repeats x 2 iters; the atom side's none
+    assert len(fake.calls) == 1 + 3 + 2 * 2 and {c["rows"] for c in fake.calls} == {5 + 2 * 7}
+    assert mha.host_prefill() is None
