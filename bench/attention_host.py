@@ -164,11 +164,10 @@ def atom_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dty
     for record in REGISTRY.select("vllm.attention"):
         if isinstance(record, Injection):
             apply(record, enabled=True)
+    from atom.models.attention import mha
     from atom.models.attention.mha import PagedAttentionMetadata
     from atom.plugin.vllm import compat
     from atom.plugin.vllm.attention_mha import ATOMAttentionBackend, ATOMAttentionImpl
-
-    from atom.models.attention import mha
 
     impl = ATOMAttentionImpl(heads, head_dim, head_dim ** -0.5, kv_heads, None, None, "auto", None, "decoder", None)
     if host_prefill:
@@ -401,6 +400,7 @@ def main(argv: list[str]) -> int:
     from atom.models.attention.mha import host_prefill
 
     # ATOM_MHA_HOST_PREFILL: the host kernel the atom side's steps with multi-token rows ran on
+    # (the atom-fa side's: FlashAttention 3 whatever this says)
     result["mha_host_prefill"] = getattr(host_prefill(), "name", None)
     # per kernel launched directly: the variants it keeps, and whether it fell back to normal launches
     result["direct_launchers"] = {getattr(d.kernel, "__name__", "?"): {"variants": len(d.compiled), "failed": d.failed}
