@@ -89,6 +89,13 @@
 #            (--check: what is missing, then stops), then both engines on the GPU at once, cells
 #            interleaved. SGLANG_MODEL (default dense; moe), SGLANG_ARGS (more bench options)
 #            -> $OUT/sglang/<model>.json, .txt, <model>/{stock,atom}.log
+#   cachepack   the JIT and compile caches a cold start fills (CACHE_DIRS, default: each of
+#            /tmp/vcache-*, /tmp/triton-cache, /tmp/torchinductor_$USER, ~/.cache/flashinfer that
+#            exists), xz-compressed in 15-MiB parts -> $OUT/cache.tar.xz.partNN; nothing if they
+#            exceed CACHE_MAX_MIB (default 45: the parts must travel back with a command's working tree)
+#   cacheunpack  the parts in CACHE_FROM (default .stage/cache, a carried folder) back in place: the
+#            next machine starts where the packing one stopped (a cache whose key changed, e.g.
+#            atom's sides after an atom change, is simply not hit)
 # Results land under $OUT, which the device tool brings back.
 set -uo pipefail
 # /tmp/site-serve (the `serve-deps` step): modules `vllm serve` needs that the staged vLLM lacks,
@@ -138,6 +145,21 @@ for step in "$@"; do
         install) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .stage/tools/atom_vllm-*.whl 2>&1 | tail -2 ;;
         facts) python3 bench/vllm_facts.py > "$OUT/facts.txt" 2>&1; tail -5 "$OUT/facts.txt" ;;
         demo) timeout 400 python3 scripts/demo.py --out /tmp/demo > "$OUT/demo.txt" 2>&1; tail -8 "$OUT/demo.txt" ;;
+        cachepack) root="${CACHE_ROOT:-/}"; root="${root%/}"; dirs=()
+              for pat in ${CACHE_DIRS:-/tmp/vcache-* /tmp/triton-cache /tmp/torchinductor_$(whoami) $HOME/.cache/flashinfer}; do
+                  for d in "$root"/${pat#/}; do [ -d "$d" ] && dirs+=("${d#"$root"/}"); done; done
+              rm -f "$OUT"/cache.tar.xz.part*
+              if [ ${#dirs[@]} -eq 0 ]; then echo "cachepack: no cache folder found"; continue; fi
+              tar -C "${root:-/}" -cf - "${dirs[@]}" | xz -T0 -6 | split -b 15M -d - "$OUT/cache.tar.xz.part"
+              mib=$(( ($(cat "$OUT"/cache.tar.xz.part* | wc -c) + 1048575) / 1048576 ))
+              echo "cachepack: ${dirs[*]} -> $mib MiB in $(ls "$OUT"/cache.tar.xz.part* | wc -l) part(s)"
+              if [ "$mib" -gt "${CACHE_MAX_MIB:-45}" ]; then
+                  rm -f "$OUT"/cache.tar.xz.part*; echo "cachepack: over CACHE_MAX_MIB (${CACHE_MAX_MIB:-45}); nothing kept"; fi ;;
+        cacheunpack) from="${CACHE_FROM:-.stage/cache}"
+              if ls "$from"/cache.tar.xz.part* > /dev/null 2>&1; then
+                  cat "$from"/cache.tar.xz.part* | xz -dc | tar -C "${CACHE_ROOT:-/}" -xf - \
+                      && echo "cacheunpack: $(du -sh "$from" | cut -f1) from $from"
+              else echo "cacheunpack: no parts in $from"; fi ;;
         tests) timeout 540 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
         ops) timeout 560 python3 bench/ops.py --json-dir "$OUT" > "$OUT/ops.txt" 2>&1; tail -40 "$OUT/ops.txt" ;;
         e2e) mkdir -p "$OUT/e2e"; B=.stage/tools/bench_vllm_baseline.py

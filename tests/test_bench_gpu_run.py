@@ -160,3 +160,32 @@ def test_ab_arrivals_reach_ab_py_and_keep_the_model_label(tmp_path):
     calls, _ = _run_step(tmp_path, "ab")
     argv = _script_calls(calls, "bench/ab.py")[0]["argv"]
     assert _opt(argv, "--arrivals") == "batch" and _opt(argv, "--json").endswith("/ab_dense.json")
+
+
+def test_cache_pack_and_unpack_round_trip(tmp_path):
+    """``cachepack`` puts the cache folders that exist into compressed parts under $OUT, and
+    ``cacheunpack`` on another machine (here another root) restores them byte for byte; a pack
+    over CACHE_MAX_MIB keeps nothing."""
+    src, dest, out = tmp_path / "src", tmp_path / "dest", tmp_path / "out"
+    files = {"tmp/vcache-stock/torch_compile_cache/a/graph.py": b"g" * 5000,
+             "tmp/triton-cache/K/kernel.cubin": os.urandom(3000)}
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    env = dict(os.environ, OUT=str(out), CACHE_ROOT=str(src),
+               CACHE_DIRS="/tmp/vcache-* /tmp/triton-cache /tmp/absent")
+    run = subprocess.run(["bash", str(SCRIPT), "cachepack"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "tmp/vcache-stock tmp/triton-cache -> 1 MiB in 1 part(s)" in run.stdout
+    assert [p.name for p in out.iterdir()] == ["cache.tar.xz.part00"]
+    dest.mkdir()
+    env.update(CACHE_ROOT=str(dest), CACHE_FROM=str(out))
+    run = subprocess.run(["bash", str(SCRIPT), "cacheunpack"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and "cacheunpack:" in run.stdout, run.stderr
+    assert {str(p.relative_to(dest)): p.read_bytes() for p in dest.rglob("*") if p.is_file()} == files
+    env.update(CACHE_ROOT=str(src), CACHE_MAX_MIB="0")
+    run = subprocess.run(["bash", str(SCRIPT), "cachepack"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert "nothing kept" in run.stdout and not list(out.iterdir())
