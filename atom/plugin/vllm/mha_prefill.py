@@ -10,8 +10,8 @@ every row of such a step in one call, on atom's own cache: atom's NHD halves
 sequence lengths and query offsets. Decode-only steps (captured in full CUDA graphs) keep atom's
 kernels.
 
-``ATOM_MHA_HOST_PREFILL``: ``atom`` (the default: on an H200 the online cell it targets was a tie,
-bench/NOTES.md entry 51) = atom's kernels always; ``flash_attn`` = vLLM's FlashAttention 3 where it
+``ATOM_MHA_HOST_PREFILL``: ``atom`` (the default: on an H200 the online cell it targets was a tie at
+3 launches, bench/NOTES.md entries 51-52) = atom's kernels always; ``flash_attn`` = vLLM's FlashAttention 3 where it
 runs (Hopper); ``auto`` = the same. Where it does not run (no NVIDIA GPU, another FlashAttention
 version than 3, a changed interface) or does not take a layer (fp32, an fp8 cache, head size above
 256 or not a multiple of 8, sinks with fp16 activations), atom's kernels serve, and one line says
