@@ -143,14 +143,6 @@ def _cache_view(shape: tuple, stride_order: tuple, dtype: torch.dtype, device: s
 
 
 # -- the sides ------------------------------------------------------------------------------------
-def fa_offer() -> Any:
-    """vLLM's FlashAttention 3 as atom's plugin offers it to its MHA layers (None where it does not
-    run here)."""
-    from atom.plugin.vllm.mha_prefill import flash_attn_prefill
-
-    return flash_attn_prefill()
-
-
 def atom_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
               device: str, host_prefill: bool = False) -> Callable[[], torch.Tensor]:
     """atom's impl as vLLM calls it; returns one step's call pair (output tensor). With
@@ -166,12 +158,12 @@ def atom_side(b: Batch, heads: int, kv_heads: int, head_dim: int, page: int, dty
             apply(record, enabled=True)
     from atom.models.attention import mha
     from atom.models.attention.mha import PagedAttentionMetadata
-    from atom.plugin.vllm import compat
+    from atom.plugin.vllm import compat, mha_prefill
     from atom.plugin.vllm.attention_mha import ATOMAttentionBackend, ATOMAttentionImpl
 
     impl = ATOMAttentionImpl(heads, head_dim, head_dim ** -0.5, kv_heads, None, None, "auto", None, "decoder", None)
     if host_prefill:
-        offer = fa_offer()
+        offer = mha_prefill.flash_attn_prefill()  # what ATOM_MHA_HOST_PREFILL=flash_attn installs
         if offer is None:
             raise SystemExit("the atom-fa side needs vLLM's FlashAttention 3 (an NVIDIA Hopper GPU)")
         before = mha.host_prefill()
@@ -453,6 +445,7 @@ def run_scenarios(args: argparse.Namespace, scenarios: tuple, dims: dict, dtype:
             print(f"{sc.name:16s} {name:10s} host {timing['host_us']:7.1f} us  synced {timing['synced_us']:7.1f} us{gpu}"
                   f"  (host range {timing['host_us_range'][0]:.1f}-{timing['host_us_range'][1]:.1f}; max |err| {err:.2e})",
                   flush=True)
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

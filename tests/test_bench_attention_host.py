@@ -120,13 +120,10 @@ def test_atom_fa_side_runs_multi_token_steps_on_the_offer_in_the_same_process(mo
     the atom-fa side calls the offer, and the process-wide offer is left as it was."""
     from atom.models.attention import mha
     from atom.plugin.vllm import mha_prefill
-    from tests.attention.test_mha_host_prefill import StandIn
+    from tests.attention.test_mha_host_prefill import StandIn, stand_in_offer
 
     fake = StandIn()
-    offer = mha_prefill.host_prefill_from(fake, 3)
-    # the CPU smoke runs in float32; the plugin's checks otherwise (FlashAttention takes bf16/fp16)
-    monkeypatch.setattr(ah, "fa_offer", lambda: offer._replace(
-        declines=lambda n, kv, d, dtype, cache, sinks: mha_prefill._declines(n, kv, d, torch.bfloat16, cache, sinks)))
+    monkeypatch.setattr(mha_prefill, "flash_attn_prefill", lambda: stand_in_offer(fake))
     monkeypatch.setattr(mha_prefill, "install", lambda: None)  # vLLM's own offer: none on this CPU
     mha.set_host_prefill(None)
     out = tmp_path / "host.json"

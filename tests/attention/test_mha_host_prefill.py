@@ -75,15 +75,20 @@ class StandIn:
         return out
 
 
+def stand_in_offer(fake: StandIn) -> mha.HostPrefill:
+    """The plugin's FlashAttention offer with its kernel replaced by ``fake``; the layer-shape
+    checks are the plugin's except the dtype (the CPU comparisons run in float32)."""
+    offer = mha_prefill.host_prefill_from(fake, 3)
+    return offer._replace(declines=lambda n, kv, d, dtype, cache, sinks: mha_prefill._declines(
+        n, kv, d, torch.bfloat16, cache, sinks))
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
-    """The plugin's FlashAttention offer, its kernel replaced by the stand-in; the layer-shape
-    checks are the plugin's except the dtype (the comparison below runs in float32)."""
+    """:func:`stand_in_offer`, offered to every layer built in the test."""
     fake = StandIn()
     monkeypatch.setattr(mha_prefill, "install", lambda: None)  # vLLM's real offer: none on this CPU
-    offer = mha_prefill.host_prefill_from(fake, 3)
-    mha.set_host_prefill(offer._replace(declines=lambda n, kv, d, dtype, cache, sinks: mha_prefill._declines(
-        n, kv, d, torch.bfloat16, cache, sinks)))
+    mha.set_host_prefill(stand_in_offer(fake))
     yield fake
     mha.set_host_prefill(None)
 
