@@ -50,7 +50,8 @@ def versions() -> dict:
     return out
 
 
-def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, vocab: int) -> dict:
+def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, vocab: int,
+                      detokenize: bool = True) -> dict:
     """``seconds`` of load with ``conc`` requests always in flight, on vLLM's ``LLMEngine``.
 
     A first wave of ``conc`` requests with lengths spread over 1..``out_len`` new tokens starts the
@@ -59,7 +60,8 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
     prefills next to the running decodes. The window is timed from the step where the last
     first-wave request finished; tokens are counted per step (``RequestOutputKind.DELTA``). At the
     end the requests still running are aborted. ``mixed_steps``: measured steps that followed an
-    arrival (their batch held a new prompt)."""
+    arrival (their batch held a new prompt). ``detokenize=False``: no text (an engine in this
+    process, as bench/profile_e2e.py runs it, would otherwise detokenize on its host timeline)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -73,7 +75,7 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
         nonlocal added
         prompt = {"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(spec["in_len"])]}
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
+                                output_kind=RequestOutputKind.DELTA, detokenize=detokenize)
         request_id = f"ab{seed}_{added}"
         engine.add_request(request_id, prompt, params)  # returns vLLM's internal id (ours + a suffix)
         live[request_id] = added  # outputs carry ours, and abort_request takes ours

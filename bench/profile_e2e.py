@@ -13,6 +13,13 @@ operator self-CPU time is used instead (``--smoke``).
     python bench/profile_e2e.py --model DIR --eager            # without CUDA graphs / compile
     python bench/profile_e2e.py --model DIR --load-format dummy --conc 1,64  # config-only DIR; one engine per side for both
     python bench/profile_e2e.py --smoke                        # CPU: tiny Qwen3, fp32, eager
+    python bench/profile_e2e.py --model DIR --load-format dummy --conc 64 --arrivals continuous --seconds 3 \
+        --engine '{"compilation_config": {"max_cudagraph_capture_size": 512}}'   # online serving's mixed steps
+
+``--arrivals continuous`` profiles bench/ab.py's online cell instead of one batch: C requests always
+in flight, a finished one replaced at once (bench/ab_worker.py ``continuous_window``), so most steps
+carry a new prompt next to the running decodes; the result adds the window's steps, mixed steps and
+output tokens per second. ``--engine`` takes the same JSON engine arguments as bench/ab.py.
 
 Kernels replayed inside CUDA graphs are attributed by CUPTI like any other launch; when a build
 reports graph replays as one opaque entry, use ``--eager`` for the breakdown.
@@ -70,6 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kw["load_format"] = args.load_format
     if args.gpu_util:
         kw["gpu_memory_utilization"] = args.gpu_util
+    kw.update(json.loads(getattr(args, "engine", None) or "{}"))  # --engine: bench/ab.py's JSON, last
     return kw
 
 
@@ -88,6 +96,8 @@ def profile_side(args: argparse.Namespace) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True, detokenize=False)
     gpu = torch.cuda.is_available()
     cells = {}
+    if getattr(args, "arrivals", "batch") == "continuous":
+        return {str(conc): profile_continuous(args, llm, conc, vocab, gpu) for conc in concurrencies(args)}
     for conc in concurrencies(args):
         def batch():
             return [{"prompt_token_ids": [rng.randrange(10, vocab - 32) for _ in range(args.in_len)]}
@@ -101,6 +111,25 @@ def profile_side(args: argparse.Namespace) -> dict:
         cells[str(conc)]["first_tokens"] = list(outputs[0].outputs[0].token_ids[:8]) if outputs else []
         cells[str(conc)]["out_tokens"] = conc * args.out_len
     return cells
+
+
+def profile_continuous(args: argparse.Namespace, llm, conc: int, vocab: int, gpu: bool) -> dict:
+    """bench/ab.py's online cell on this engine: an untimed window (JIT, autotuning, the first
+    mixed steps), then one profiled window of ``--seconds`` with ``conc`` requests in flight."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from ab_worker import continuous_window
+
+    spec = {"in_len": args.in_len, "out_len": args.out_len}
+    engine = llm.llm_engine
+    continuous_window(engine, spec, conc, 1, max(1.0, args.seconds / 2), vocab, detokenize=False)
+    window: dict = {}
+    cell = profile_pass(args, lambda: window.update(continuous_window(engine, spec, conc, 2, args.seconds,
+                                                                      vocab, detokenize=False)),
+                        gpu, f"{args.side}_c{conc}_cont")
+    cell.update(arrivals="continuous", out_tokens=window["tokens"], window_s=round(window["seconds"], 3),
+                tok_s=round(window["tok_s"], 1), steps=window["steps"], mixed_steps=window["mixed_steps"],
+                first_tokens=(window["first"] or [[]])[0][:8])
+    return cell
 
 
 def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
@@ -331,6 +360,8 @@ def report(results: dict[str, dict], top: int) -> str:
         head = f"{s}: wall {r.get('wall_s') or 0:.2f} s" if r.get("wall_s") else f"{s}:"
         if r.get("out_tokens"):
             head += f" for {r['out_tokens']} output tokens"
+        if r.get("arrivals") == "continuous":  # the window's own rate and how many steps mixed in a prompt
+            head += f" ({r['tok_s']} tok/s; {r['steps']} steps, {r['mixed_steps']} mixed)"
         if r.get("span_us"):
             head += f"; GPU busy {r['busy_us'] / 1000:.1f} ms of a {r['span_us'] / 1000:.1f} ms span ({100 * r['busy_us'] / r['span_us']:.0f}%)"
         lines += [""] + format_idle(s, r.get("idle") or {})
@@ -367,6 +398,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--with-stack", action="store_true",
                     help="record Python function events: the idle report then names the Python code the host "
                          "runs while the GPU waits (a large trace: pair with a short --out)")
+    ap.add_argument("--arrivals", default="batch", choices=("batch", "continuous"),
+                    help="batch: one batch of C prompts per pass; continuous: C requests always in flight "
+                         "for --seconds (bench/ab.py's online cell: most steps mix a prompt into the decodes)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="--arrivals continuous: the profiled window")
+    ap.add_argument("--engine", default="{}", help="JSON engine arguments for both sides (as bench/ab.py's)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
@@ -415,7 +451,8 @@ def main(argv: list[str]) -> int:
         for conc in ([c for c in r if c.isdigit()] if "error" not in r else []):
             cells.setdefault(conc, {})[side] = r[conc]
     for conc, per_side in cells.items():
-        print(f"\n## {args.in_len}/{args.out_len} at C={conc}\n", flush=True)
+        cont = ", continuous arrivals" if args.arrivals == "continuous" else ""
+        print(f"\n## {args.in_len}/{args.out_len} at C={conc}{cont}\n", flush=True)
         print(report(per_side, args.top), flush=True)
     for side, r in results.items():
         if "error" in r:

@@ -154,6 +154,31 @@ def test_continuous_window_counts_tokens_of_every_step(tiny_model, vllm_engine):
     assert again["first"] == res["first"] and len(res["first"]) == 4  # same seed, same prompts, greedy
 
 
+def test_profile_of_the_continuous_cell_covers_its_window(tiny_model, vllm_engine):
+    """bench/profile_e2e.py --arrivals continuous: the profiled pass is one window of the online cell
+    (C in flight, every second step with a new prompt here), and its operator counts are those of
+    that window's steps, not of a batch pass."""
+    import argparse
+
+    profile_e2e = load_bench("profile_e2e")
+    layers = 2  # atom.testing.tiny_models' qwen3
+    llm = vllm_engine(tiny_model("qwen3", "float32"), dtype="float32", max_model_len=64, max_num_seqs=4)
+    args = argparse.Namespace(in_len=16, out_len=8, seconds=0.5, side="stock", trace_dir=None, with_stack=False)
+    cell = profile_e2e.profile_continuous(args, llm, 4, 1000, gpu=False)
+    assert cell["arrivals"] == "continuous" and cell["steps"] > 0
+    assert abs(cell["out_tokens"] - 4 * cell["steps"]) <= 4 and abs(cell["mixed_steps"] - cell["steps"] / 2) <= 1
+    calls = cell["kernels"]["vllm::unified_attention_with_output"]["calls"]
+    # every measured step ran each layer's attention once, plus the window's ramp and drained tail
+    assert layers * cell["steps"] <= calls <= layers * (cell["steps"] + 4 * args.out_len)
+    text = profile_e2e.report({"stock": cell}, 3)
+    assert f"{cell['steps']} steps, {cell['mixed_steps']} mixed" in text
+    # --engine reaches both sides' engines, after the defaults it may override
+    kw = profile_e2e.engine_kwargs(argparse.Namespace(
+        model="/m", dtype="bfloat16", eager=False, in_len=8, out_len=8, conc="4", load_format=None,
+        gpu_util=None, engine='{"compilation_config": {"max_cudagraph_capture_size": 512}, "max_num_seqs": 8}'))
+    assert kw["compilation_config"] == {"max_cudagraph_capture_size": 512} and kw["max_num_seqs"] == 8
+
+
 def test_a_time_limit_keeps_the_windows_measured_so_far(tiny_model, tmp_path):
     """SIGTERM (``timeout`` ending the command) after some windows: the record is written with
     those windows and marked partial, and the run ends promptly (two GPU commands of 2026-11-28
