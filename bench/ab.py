@@ -371,7 +371,7 @@ def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[s
     record: dict[str, Any] = {"gpu": gpu_name(),
         "label": args.label, "model": args.model, "in": args.in_len, "out": args.out_len, "conc": conc,
         "rounds": args.rounds, "window_s": args.window, "launches_per_side": args.launches, "reference": ref,
-        "warmup_s": args.warmup, "arrivals": args.arrivals,
+        "warmup_s": args.warmup, "arrivals": args.arrivals, "engine": json.loads(args.engine),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sides": {},
     }
     print(f"\n{args.label or args.model}: {args.in_len}/{args.out_len} at C={conc}, {args.launches} launch(es) x "

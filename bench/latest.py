@@ -22,7 +22,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -106,6 +106,11 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h200_2026-11-28/ab_dense-dummy-cont_launch1.json"},
     {"path": "bench/results/h200_2026-11-28/ab_dense-dummy-cont_launch2.json"},
     {"path": "bench/results/h200_2026-11-28e/ab_dense-dummy-cont_launch3.json"},
+    # The same cell with vLLM serve's capture sizes (CUDA graphs up to 512 tokens: a prompt joining the
+    # decodes runs in piecewise graphs), H200 (2026-11-28f): stock, atom's default and the default with
+    # direct launches; one launch cut short by the command's limit (ab.py did not yet record --engine)
+    {"path": "bench/results/h200_2026-11-28f/ab_dense-dummy-cont-cap512_launch1.json",
+     "assumed": {"engine": {"compilation_config": {"max_cudagraph_capture_size": 512}}}},
 ]
 
 
@@ -126,10 +131,24 @@ def cell_verdict(point: float, low: float, high: float, launches: int) -> str:
     return f"{short} (< {MIN_LAUNCHES} launches)"
 
 
-def _cell(rec: dict) -> str:
+def _engine(rec: dict, entry: dict) -> dict:
+    """The engine arguments a record ran with (``bench/ab.py --engine``; records older than that
+    field take them from the RECORDS entry's ``assumed``), less ``load_format`` (the label says
+    dummy weights)."""
+    engine = rec.get("engine", entry.get("assumed", {}).get("engine", {}))
+    return {k: v for k, v in engine.items() if k != "load_format"}
+
+
+def _cell(rec: dict, entry: Optional[dict] = None) -> str:
     """IN/OUT@C; records whose windows kept C requests in flight (``bench/ab.py --arrivals
-    continuous``) are cells of their own, never pooled with batch-arrival ones."""
+    continuous``) are cells of their own, never pooled with batch-arrival ones; so are records
+    with other engine arguments (vLLM serve's capture sizes: ``capture 512``)."""
     cont = " continuous" if rec.get("arrivals") == "continuous" else ""
+    engine = _engine(rec, entry or {})
+    if list(engine) == ["compilation_config"] and list(engine["compilation_config"]) == ["max_cudagraph_capture_size"]:
+        cont += f" capture {engine['compilation_config']['max_cudagraph_capture_size']}"
+    elif engine:
+        cont += " " + json.dumps(engine, sort_keys=True, separators=(",", ":"))
     return f"{rec['in']}/{rec['out']}@{rec['conc']}{cont}"
 
 
@@ -144,6 +163,8 @@ def _facts(rec: dict, entry: dict) -> tuple[str, dict, list[str]]:
     versions = {k: v for k, v in ref["facts"].get("versions", {}).items() if k != "atom_from"}
     if not versions:
         versions, supplied = dict(assumed.get("versions", {})), supplied + ["versions"]
+    if "engine" not in rec and "engine" in assumed:
+        supplied.append("engine")
     return gpu, versions, supplied
 
 
@@ -157,7 +178,7 @@ def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dic
     groups: dict[tuple, list[tuple[dict, dict]]] = {}
     for entry in RECORDS if records is None else records:
         rec = json.loads((root / entry["path"]).read_text())
-        key = (rec["label"] or rec["model"], _cell(rec), rec["reference"], tuple(rec["sides"]))
+        key = (rec["label"] or rec["model"], _cell(rec, entry), rec["reference"], tuple(rec["sides"]))
         groups.setdefault(key, []).append((rec, entry))
     cells = []
     for (label, cell, ref, names), members in groups.items():

@@ -73,6 +73,27 @@ def test_continuous_arrival_cells_are_never_pooled_with_batch_cells(tmp_path):
     assert {c["cell"]: c["sides"]["atom"]["windows"] for c in out["cells"]} == {"8/8@2": 2, "8/8@2 continuous": 2}
 
 
+def test_engine_arguments_make_a_cell_of_their_own(tmp_path):
+    """bench/ab.py --engine (vLLM serve's capture sizes) measures another configuration: its own cell;
+    dummy weights (load_format) are the label's business; a record older than the field takes its
+    engine arguments from the entry, which latest.json then lists as supplied."""
+    assumed = {"gpu": "G", "versions": {"vllm": "0.26.0"}}
+    capture = {"compilation_config": {"max_cudagraph_capture_size": 512}}
+    (tmp_path / "a.json").write_text(json.dumps({**_record([100, 101], [110, 111], "d"), "engine": {"load_format": "dummy"}}))
+    (tmp_path / "b.json").write_text(json.dumps({**_record([100, 101], [50, 51], "d"), "engine": capture}))
+    (tmp_path / "c.json").write_text(json.dumps(_record([100, 102], [52, 53], "d")))
+    (tmp_path / "e.json").write_text(json.dumps({**_record([100, 101], [90, 91], "d"), "engine": {"max_num_seqs": 8}}))
+    out = latest.build([{"path": "a.json", "assumed": assumed}, {"path": "b.json", "assumed": assumed},
+                        {"path": "c.json", "assumed": {**assumed, "engine": capture}},
+                        {"path": "e.json", "assumed": assumed}], root=tmp_path)
+    cells = {c["cell"]: c for c in out["cells"]}
+    assert sorted(cells) == ["8/8@2", "8/8@2 capture 512", '8/8@2 {"max_num_seqs":8}']
+    assert cells["8/8@2 capture 512"]["sides"]["atom"]["windows"] == 4  # b and c pooled
+    assert cells["8/8@2 capture 512"]["assumed_fields"] == ["engine", "gpu", "versions"]
+    assert cells["8/8@2"]["assumed_fields"] == ["gpu", "versions"]  # its record has the field
+    assert cells["8/8@2"]["sides"]["atom"]["median_tok_s"] == 110.5
+
+
 @pytest.mark.parametrize("point,low,high,launches,want", [
     (1.04, 1.03, 1.05, 3, "win"), (1.04, 1.03, 1.05, 1, "tie (< 3 launches)"),
     (1.15, 1.14, 1.16, 1, "win (< 3 launches)"), (0.85, 0.84, 0.86, 2, "loss (< 3 launches)"),
