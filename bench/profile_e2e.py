@@ -116,7 +116,8 @@ def profile_side(args: argparse.Namespace) -> dict:
 def profile_continuous(args: argparse.Namespace, llm, conc: int, vocab: int, gpu: bool) -> dict:
     """bench/ab.py's online cell on this engine: an untimed window (JIT, autotuning, the first
     mixed steps), then one profiled window of ``--seconds`` with ``conc`` requests in flight."""
-    sys.path.insert(0, str(REPO / "bench"))
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
     from ab_worker import continuous_window
 
     spec = {"in_len": args.in_len, "out_len": args.out_len}
