@@ -22,7 +22,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -139,12 +139,12 @@ def _engine(rec: dict, entry: dict) -> dict:
     return {k: v for k, v in engine.items() if k != "load_format"}
 
 
-def _cell(rec: dict, entry: Optional[dict] = None) -> str:
+def _cell(rec: dict, entry: dict) -> str:
     """IN/OUT@C; records whose windows kept C requests in flight (``bench/ab.py --arrivals
     continuous``) are cells of their own, never pooled with batch-arrival ones; so are records
     with other engine arguments (vLLM serve's capture sizes: ``capture 512``)."""
     cont = " continuous" if rec.get("arrivals") == "continuous" else ""
-    engine = _engine(rec, entry or {})
+    engine = _engine(rec, entry)
     if list(engine) == ["compilation_config"] and list(engine["compilation_config"]) == ["max_cudagraph_capture_size"]:
         cont += f" capture {engine['compilation_config']['max_cudagraph_capture_size']}"
     elif engine:
