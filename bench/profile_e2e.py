@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,6 +82,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
+_T0 = time.time()
+
+
+def progress(msg: str) -> None:
+    """A child's progress line (seconds since it started), written at once: the parent keeps the
+    child's output in a log, so a run the timeout ends still shows how far it got."""
+    print(f"[profile child {time.time() - _T0:.0f} s] {msg}", file=sys.stderr, flush=True)
+
+
 def profile_side(args: argparse.Namespace) -> dict:
     """One engine; per concurrency one untimed pass, then one profiled pass -> ``{conc: result}``."""
     import torch
@@ -88,6 +98,7 @@ def profile_side(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args))
+    progress("engine ready")
     rng = random.Random(0)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     # No detokenization: with the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) it would
@@ -104,6 +115,7 @@ def profile_side(args: argparse.Namespace) -> dict:
                     for _ in range(conc)]
 
         llm.generate(batch(), sp, use_tqdm=False)  # warm-up: JIT, autotuning, graph capture
+        progress(f"C={conc}: warm-up pass done")
         outputs = []
         cells[str(conc)] = profile_pass(args, lambda: outputs.extend(llm.generate(batch(), sp, use_tqdm=False)),
                                         gpu, f"{args.side}_c{conc}")
@@ -123,6 +135,7 @@ def profile_continuous(args: argparse.Namespace, llm, conc: int, vocab: int, gpu
     spec = {"in_len": args.in_len, "out_len": args.out_len}
     engine = llm.llm_engine
     continuous_window(engine, spec, conc, 1, max(1.0, args.seconds / 2), vocab, detokenize=False)
+    progress(f"C={conc}: untimed window done")
     window: dict = {}
     cell = profile_pass(args, lambda: window.update(continuous_window(engine, spec, conc, 2, args.seconds,
                                                                       vocab, detokenize=False)),
@@ -147,6 +160,7 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
         if gpu:
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    progress(f"{name}: profiled pass done in {wall:.1f} s")
     busy = span = idle = None
     if args.trace_dir or gpu:  # on a GPU the trace also gives how busy the GPU was (busy_and_span_us)
         import tempfile
@@ -155,6 +169,7 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
         trace_dir.mkdir(parents=True, exist_ok=True)
         trace = trace_dir / f"{name}.json"
         prof.export_chrome_trace(str(trace))
+        progress(f"{name}: trace written ({trace.stat().st_size >> 20} MiB)")
         if gpu:  # the timeline only: the kernel totals come from key_averages below
             events = trace_events(trace)
             busy, span = busy_and_span_us([e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"])
@@ -180,6 +195,7 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
                     "::" in evt.key):  # operators only (aten::, atom::, vllm::, _C::)
                 continue
         kernels[evt.key] = {"us": float(us), "calls": int(evt.count), "category": category(evt.key)}
+    progress(f"{name}: profile read")
     return {"side": args.side, "time_kind": "device" if gpu else "self-cpu", "wall_s": round(wall, 3),
             "categories_us": by_category(kernels), "kernels": kernels, "busy_us": busy, "span_us": span,
             "idle": idle, "host_ops": dict(sorted(host.items(), key=lambda kv: -kv[1]["self_us"])[:60]),
@@ -381,6 +397,21 @@ def report(results: dict[str, dict], top: int) -> str:
     return "\n".join(lines)
 
 
+def run_child(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[Optional[int], str]:
+    """Run one side's child with its output going to ``log`` as it is written (not held in a pipe),
+    so that a child the timeout ends still leaves its progress lines and engine log: ``(returncode,
+    log text)``, returncode None when the timeout killed it."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            rc: Optional[int] = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+    return rc, log.read_text(errors="replace")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -437,14 +468,15 @@ def main(argv: list[str]) -> int:
         if args.smoke and "--model" not in argv:
             cmd += ["--model", args.model]
         t0 = time.time()
-        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
-        print(f"[profile] {side}: rc={proc.returncode} in {time.time() - t0:.0f} s", flush=True)
-        if proc.returncode != 0 or not out.exists():
-            results[side] = {"error": f"rc={proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:]}
+        rc, text = run_child(cmd, env, work / f"profile_{side}.log", args.timeout)
+        print(f"[profile] {side}: rc={rc} in {time.time() - t0:.0f} s", flush=True)
+        if rc != 0 or not out.exists():
+            results[side] = {"error": "timeout after %.0f s" % args.timeout if rc is None else f"rc={rc}",
+                             "tail": text[-3000:]}
             print(results[side]["tail"])
             continue
         results[side] = json.loads(out.read_text())
-        log = [ln for ln in (proc.stdout + proc.stderr).splitlines() if KERNEL_LOG.search(ln)]
+        log = [ln for ln in text.splitlines() if KERNEL_LOG.search(ln)]
         for cell in results[side].values():
             cell["kernel_log_lines"] = log[-40:]
     cells: dict[str, dict] = {}

@@ -179,6 +179,21 @@ def test_profile_of_the_continuous_cell_covers_its_window(tiny_model, vllm_engin
     assert kw["compilation_config"] == {"max_cudagraph_capture_size": 512} and kw["max_num_seqs"] == 8
 
 
+def test_a_profile_child_the_timeout_ends_leaves_its_output(tmp_path):
+    """bench/profile_e2e.py runs each side in a child: its output goes to a log as it is written, so
+    a child the time limit kills still shows how far it got (on 2026-11-28 a 310-s limit ended
+    atom's child and took its whole captured output with it)."""
+    profile_e2e = load_bench("profile_e2e")
+    code = ("import sys, time; print('engine log line', flush=True); "
+            "print('[profile child 1 s] engine ready', file=sys.stderr, flush=True); time.sleep(60)")
+    log = tmp_path / "side.log"
+    rc, text = profile_e2e.run_child([sys.executable, "-c", code], dict(os.environ), log, timeout=3)
+    assert rc is None  # killed by the limit, not finished
+    assert "engine log line" in text and "engine ready" in text and log.read_text() == text
+    rc, text = profile_e2e.run_child([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), log, timeout=30)
+    assert rc == 3 and text == ""
+
+
 def test_a_time_limit_keeps_the_windows_measured_so_far(tiny_model, tmp_path):
     """SIGTERM (``timeout`` ending the command) after some windows: the record is written with
     those windows and marked partial, and the run ends promptly (two GPU commands of 2026-11-28
