@@ -21,6 +21,12 @@ in flight, a finished one replaced at once (bench/ab_worker.py ``continuous_wind
 carry a new prompt next to the running decodes; the result adds the window's steps, mixed steps and
 output tokens per second. ``--engine`` takes the same JSON engine arguments as bench/ab.py.
 
+Each side's child writes its output (engine log, ``[profile child N s]`` progress lines) to
+``profile_<side>.log`` next to ``--json`` (else in /tmp) as it runs, so a run that ``--timeout`` or
+the command's limit ends still shows how far it got. Reading the profile takes long on large
+models (``key_averages``: ~20 s for a 2-s pass of a 2-layer model on a CPU); keep ``--seconds``
+short (0.5) for a full-depth model.
+
 Kernels replayed inside CUDA graphs are attributed by CUPTI like any other launch; when a build
 reports graph replays as one opaque entry, use ``--eager`` for the breakdown.
 """
