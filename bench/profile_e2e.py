@@ -407,14 +407,12 @@ def run_child(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[Opt
     """Run one side's child with its output going to ``log`` as it is written (not held in a pipe),
     so that a child the timeout ends still leaves its progress lines and engine log: ``(returncode,
     log text)``, returncode None when the timeout killed it."""
+    rc: Optional[int] = None
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True)
-        try:
-            rc: Optional[int] = proc.wait(timeout=timeout)
+        try:  # subprocess.run kills the child when the timeout expires
+            rc = subprocess.run(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = None
+            pass
     return rc, log.read_text(errors="replace")
 
 
