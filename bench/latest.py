@@ -111,6 +111,10 @@ RECORDS: list[dict[str, Any]] = [
     # direct launches; one launch cut short by the command's limit (ab.py did not yet record --engine)
     {"path": "bench/results/h200_2026-11-28f/ab_dense-dummy-cont-cap512_launch1.json",
      "assumed": {"engine": {"compilation_config": {"max_cudagraph_capture_size": 512}}}},
+    # The same capture-512 cell, H200 (2026-11-28h), one command per pair on one machine: stock vs
+    # vattn (atom's model, vLLM's attention: ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1), then stock vs atom
+    {"path": "bench/results/h200_2026-11-28h/ab_dense-dummy-cont-cap512_vattn.json"},
+    {"path": "bench/results/h200_2026-11-28h/ab_dense-dummy-cont-cap512_atom.json"},
 ]
 
 
