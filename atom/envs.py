@@ -229,7 +229,8 @@ VARIABLES: dict[str, EnvVar] = {
             "ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION", "bool", "0",
             "Fuse QK-RMSNorm + RoPE + KV-cache write (+ fp8 quantisation) into one kernel in "
             "atom's attention impl, for atom's Qwen3 / Qwen3-MoE models on atom's MHA backend "
-            "(vLLM's platform choice, or SGLang's `--attention-backend atom`); no effect with the "
+            "(vLLM's platform choice, on NVIDIA GPUs with ATOM_ENABLE_MHA_ON_NVIDIA=1; or SGLang's "
+            "`--attention-backend atom`); no effect with the "
             "host's own attention backends or model classes.",
             _parse_bool, _BOOL,
         ),
@@ -316,6 +317,15 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_bool, _BOOL,
         ),
         EnvVar(
+            "ATOM_ENABLE_MHA_ON_NVIDIA", "bool", "0",
+            "Serve MHA attention layers with atom's MHA backend under vLLM on NVIDIA GPUs. Off by "
+            "default: there atom steps aside and vLLM's own attention backend (FlashAttention) serves "
+            "them, atom's models included, because atom's backend measured slower (0.71x stock in the "
+            "online-serving cell on an H200, docs/performance.md). `--attention-backend CUSTOM` also "
+            "selects it. MLA layers, CPU, ROCm and SGLang are unaffected.",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
             "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", "bool", "0",
             "Serve 128x128 block-fp8 checkpoints of dense architectures (Qwen3-FP8, Llama) with "
             "atom's models on NVIDIA GPUs. Off by default: there atom steps aside and vLLM's own "
@@ -391,7 +401,8 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "ATOM_MHA_HOST_PREFILL", "choice", "atom",
             "Attention steps with a multi-token row (prefill, chunked prefill, prefills next to decodes) "
-            "in atom's MHA backend under vLLM on NVIDIA GPUs: `atom` = atom's Triton kernels; "
+            "in atom's MHA backend under vLLM on NVIDIA GPUs (which serves only with ATOM_ENABLE_MHA_ON_NVIDIA=1): "
+            "`atom` = atom's Triton kernels; "
             "`flash_attn` = one call of vLLM's FlashAttention 3 (`flash_attn_varlen_func`, paged, on "
             "atom's cache) for every row of such a step, for bf16/fp16 layers with a bf16/fp16 cache and "
             "head sizes that are multiples of 8 up to 256 (with sinks: bf16 only; atom's kernels for "

@@ -30,6 +30,9 @@ for key, value in {
     # atom's overrides are off on CPU by default (no fast path there); the tests exercise them.
     # Tests of that default unset it in their own subprocess.
     "ATOM_ENABLE_ON_CPU": "1",
+    # atom's MHA backend steps aside on NVIDIA GPUs by default (measured slower there); the tests
+    # exercise it on every device. Tests of that default set it to 0 (tests/attention/test_nvidia_default.py).
+    "ATOM_ENABLE_MHA_ON_NVIDIA": "1",
 }.items():
     os.environ.setdefault(key, value)
 

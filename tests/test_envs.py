@@ -145,6 +145,7 @@ MALFORMED = {
     "ATOM_MLA_CONTEXT_CHUNK_TOKENS": ["-16", "abc", "1.5", "16k", "0x10", ""],
     "ATOM_FP8_W8A8_MIN_TOKENS": ["-1", "abc", "1.5", ""],
     "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA": ["2", "maybe", ""],
+    "ATOM_ENABLE_MHA_ON_NVIDIA": ["2", "maybe", ""],
     "ATOM_BF16_GEMV": ["2", "yes please", ""],
     "ATOM_TRITON_DIRECT_LAUNCH": ["2", "maybe"],
     "ATOM_ENABLE_ON_NVIDIA": ["Gpt Oss", "GptOSSForCausalLM", "GptOssForCausalLM,Qwen3Model"],

@@ -173,6 +173,30 @@ def test_mla_and_sparse_and_disabled(attention_on, monkeypatch):
         None, "disabled by ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1")
 
 
+def test_mha_steps_aside_on_nvidia_unless_asked_for(attention_on, monkeypatch):
+    """Under vLLM on an NVIDIA GPU atom's MHA backend steps aside for vLLM's choice (measured
+    slower there, bench/NOTES.md 55) unless ATOM_ENABLE_MHA_ON_NVIDIA=1 or --attention-backend
+    CUSTOM asks for it; MLA layers and other devices keep atom's backend. (The engine-level check
+    is the GPU test in tests/attention/test_nvidia_default.py.)"""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from atom.plugin.vllm import overrides
+    from atom.plugin.vllm.selection import MHA_NVIDIA_ASIDE
+
+    monkeypatch.setattr(overrides, "on_nvidia", lambda: True)
+    monkeypatch.setenv("ATOM_ENABLE_MHA_ON_NVIDIA", "0")
+    assert select(_selector()) == (None, MHA_NVIDIA_ASIDE)
+    assert "ATOM_ENABLE_MHA_ON_NVIDIA=1" in MHA_NVIDIA_ASIDE and "--attention-backend CUSTOM" in MHA_NVIDIA_ASIDE
+    assert select(_selector(use_mla=True, head_size=576))[1] == "atom MLA backend"
+    asked = attention_backend(AttentionBackendEnum.CUSTOM, _selector())
+    assert (asked.value, asked.reason) == (BACKEND_QUALNAME, "atom MHA backend")
+    monkeypatch.setenv("ATOM_ENABLE_MHA_ON_NVIDIA", "1")
+    assert select(_selector()) == (BACKEND_QUALNAME, "atom MHA backend")
+    monkeypatch.setenv("ATOM_ENABLE_MHA_ON_NVIDIA", "0")
+    monkeypatch.setattr(overrides, "on_nvidia", lambda: False)
+    assert select(_selector()) == (BACKEND_QUALNAME, "atom MHA backend")
+
+
 def test_unknown_newer_selector_field_is_refused():
     assert ATOMAttentionBackend.validate_configuration(
         128, torch.bfloat16, "auto", 16, False, False, False, False, False, None, "decoder",

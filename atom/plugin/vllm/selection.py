@@ -23,6 +23,14 @@ BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Why atom's MHA backend steps aside under vLLM on NVIDIA GPUs unless asked for (the log line and
+#: doctor's report): in the online cell on an H200, atom's model with atom's attention ran at 0.71x
+#: stock and with vLLM's attention at 1.00x, in consecutive calls on one machine (bench/NOTES.md 55).
+MHA_NVIDIA_ASIDE = ("atom's MHA backend steps aside on NVIDIA GPUs, where it measured slower than vLLM's own "
+                    "attention in the online-serving cell on an H200 (docs/performance.md); "
+                    "ATOM_ENABLE_MHA_ON_NVIDIA=1 or --attention-backend CUSTOM serves MHA layers with it")
+
+
 def _group_blocked(kind: str) -> Optional[str]:
     """Apply the records of ``kind`` (its decorators and patches, group ``vllm.attention.<kind>``);
     why one is not in effect, or None."""
@@ -43,7 +51,8 @@ def attention_backend(selected_backend: Any, attn_selector_config: Any, *, claim
     """Decision(atom backend qualname or None, reason) for one layer configuration.
 
     ``selected_backend``: what the user asked for (``--attention-backend``), None for vLLM's
-    choice. The backend's records are applied first (idempotent, what ``register_model``'s
+    choice. Under vLLM on NVIDIA GPUs atom's MHA backend steps aside for vLLM's choice unless
+    asked for (:data:`MHA_NVIDIA_ASIDE`). The backend's records are applied first (idempotent, what ``register_model``'s
     arming does on import anyway): its decorators are what answer ``validate_configuration``.
     ``claim_name``: also claim its ``AttentionBackendEnum`` name (what the platform does before
     handing the backend to vLLM). ``vllm_config``: the model's config, for what the selector
@@ -62,6 +71,11 @@ def attention_backend(selected_backend: Any, attn_selector_config: Any, *, claim
     kind = "mla" if getattr(attn_selector_config, "use_mla", False) else "mha"
     if getattr(attn_selector_config, "use_sparse", False):
         return Decision(None, "sparse attention is not supported by atom")
+    if kind == "mha" and requested is None and not envs.ATOM_ENABLE_MHA_ON_NVIDIA:
+        from atom.plugin.vllm.overrides import on_nvidia
+
+        if on_nvidia():
+            return Decision(None, MHA_NVIDIA_ASIDE)
     qualname, name = BACKENDS[kind]
     module_name, _, cls_name = qualname.rpartition(".")
     try:
