@@ -115,6 +115,9 @@ RECORDS: list[dict[str, Any]] = [
     # vattn (atom's model, vLLM's attention: ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1), then stock vs atom
     {"path": "bench/results/h200_2026-11-28h/ab_dense-dummy-cont-cap512_vattn.json"},
     {"path": "bench/results/h200_2026-11-28h/ab_dense-dummy-cont-cap512_atom.json"},
+    # ... and on the next machine, stock vs atom's new default (atom's MHA backend steps aside on NVIDIA:
+    # the atom side runs vLLM's FlashAttention, the same configuration as vattn)
+    {"path": "bench/results/h200_2026-11-28h/ab_dense-dummy-cont-cap512_default.json"},
 ]
 
 
