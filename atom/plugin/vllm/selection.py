@@ -52,8 +52,9 @@ def attention_backend(selected_backend: Any, attn_selector_config: Any, *, claim
 
     ``selected_backend``: what the user asked for (``--attention-backend``), None for vLLM's
     choice. Under vLLM on NVIDIA GPUs atom's MHA backend steps aside for vLLM's choice unless
-    asked for (:data:`MHA_NVIDIA_ASIDE`). The backend's records are applied first (idempotent, what ``register_model``'s
-    arming does on import anyway): its decorators are what answer ``validate_configuration``.
+    asked for (:data:`MHA_NVIDIA_ASIDE`). The backend's records are applied first (idempotent,
+    what ``register_model``'s arming does on import anyway): its decorators are what answer
+    ``validate_configuration``.
     ``claim_name``: also claim its ``AttentionBackendEnum`` name (what the platform does before
     handing the backend to vLLM). ``vllm_config``: the model's config, for what the selector
     does not carry (MLA's rank and rope split); default: the config vLLM is building.
