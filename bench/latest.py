@@ -5,7 +5,8 @@
     python bench/latest.py --write    # rebuild latest.json from RECORDS, regenerate the docs table
 
 ``RECORDS`` names the bench/ab.py JSON records that are current. Records of the same cell (model
-label, input/output length, concurrency) and the same sides are pooled: every measurement window
+label, input/output length, concurrency) and the same sides (names, model classes, attention impls)
+are pooled: every measurement window
 of every launch counts, the ratio is the ratio of pooled medians to the reference side with a
 bootstrap 95% interval over the windows (bench/ab.py's), and ``launches_per_side`` says how many
 engine launches contributed. Older records lack the GPU and package versions; a RECORDS entry
@@ -116,7 +117,8 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h200_2026-11-28h/ab_dense-dummy-cont-cap512_vattn.json"},
     {"path": "bench/results/h200_2026-11-28h/ab_dense-dummy-cont-cap512_atom.json"},
     # ... and on the next machine, stock vs atom's new default (atom's MHA backend steps aside on NVIDIA:
-    # the atom side runs vLLM's FlashAttention, the same configuration as vattn)
+    # the atom side runs vLLM's FlashAttention, the same configuration as vattn; its own row, since
+    # records pool only where each side ran the same classes)
     {"path": "bench/results/h200_2026-11-28h/ab_dense-dummy-cont-cap512_default.json"},
 ]
 
@@ -180,15 +182,24 @@ def _flashinfer(versions: dict) -> str:
     return f" + FlashInfer {versions['flashinfer']}" if versions.get("flashinfer") else ""
 
 
+def _configuration(rec: dict) -> tuple:
+    """What a record's sides ran: (name, model class, attention impls) each. A side's name alone
+    does not say it (``atom`` ran atom's attention before 2026-11-28h and vLLM's on NVIDIA after),
+    so records pool only where every side ran the same classes."""
+    return tuple((n, s["facts"].get("model_class"), tuple(s["facts"].get("attention_impls") or ()))
+                 for n, s in rec["sides"].items())
+
+
 def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dict[str, Any]:
     """latest.json's content from the records (pooled per cell and set of sides)."""
     groups: dict[tuple, list[tuple[dict, dict]]] = {}
     for entry in RECORDS if records is None else records:
         rec = json.loads((root / entry["path"]).read_text())
-        key = (rec["label"] or rec["model"], _cell(rec, entry), rec["reference"], tuple(rec["sides"]))
+        key = (rec["label"] or rec["model"], _cell(rec, entry), rec["reference"], _configuration(rec))
         groups.setdefault(key, []).append((rec, entry))
     cells = []
-    for (label, cell, ref, names), members in groups.items():
+    for (label, cell, ref, configuration), members in groups.items():
+        names = tuple(n for n, _, _ in configuration)
         facts = [_facts(rec, entry) for rec, entry in members]
         if len({(g, json.dumps(v, sort_keys=True)) for g, v, _ in facts}) > 1:
             raise ValueError(f"{label} {cell}: records from different GPUs or versions cannot be pooled: "

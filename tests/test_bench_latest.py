@@ -56,6 +56,19 @@ def test_runs_of_one_cell_pool_their_windows_and_missing_facts_come_from_the_ent
     assert "| m | 8/8@2 | atom | 111 | 1.11x [" in latest.render(out)
 
 
+def test_a_side_that_ran_other_classes_is_not_pooled(tmp_path):
+    """The same side name with another attention impl (atom's MHA stepping aside on NVIDIA) is
+    another configuration: its own row, never pooled with the name's earlier records."""
+    assumed = {"gpu": "G", "versions": {"vllm": "0.26.0"}}
+    before, after = _record([100, 101], [70, 71], "d1"), _record([100, 101], [98, 99], "d2")
+    after["sides"]["atom"]["facts"]["attention_impls"] = ["FlashAttentionImpl"]
+    (tmp_path / "a.json").write_text(json.dumps(before))
+    (tmp_path / "b.json").write_text(json.dumps(after))
+    out = latest.build([{"path": "a.json", "assumed": assumed}, {"path": "b.json", "assumed": assumed}], root=tmp_path)
+    assert sorted((c["sides"]["atom"]["attention_impls"][0], c["sides"]["atom"]["median_tok_s"]) for c in out["cells"]) == [
+        ("FlashAttentionImpl", 98.5), ("X", 70.5)]
+
+
 def test_records_of_different_versions_are_not_pooled(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps({**_record([1, 1], [1, 1], "d", versions={"vllm": "0.26.0"}), "gpu": "G"}))
     (tmp_path / "b.json").write_text(json.dumps({**_record([1, 1], [1, 1], "d", versions={"vllm": "0.32.0"}), "gpu": "G"}))
