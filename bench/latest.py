@@ -6,8 +6,8 @@
 
 ``RECORDS`` names the bench/ab.py JSON records that are current. Records of the same cell (model
 label, input/output length, concurrency) and the same sides (names, model classes, attention impls)
-are pooled: every measurement window
-of every launch counts, the ratio is the ratio of pooled medians to the reference side with a
+are pooled: every measurement window of every launch counts, the ratio is the ratio of pooled
+medians to the reference side with a
 bootstrap 95% interval over the windows (bench/ab.py's), and ``launches_per_side`` says how many
 engine launches contributed. Older records lack the GPU and package versions; a RECORDS entry
 supplies them (``assumed``) and latest.json says which fields were supplied that way.

@@ -21,7 +21,6 @@ PROMPTS = [[11, 12, 13], [7] * 33, list(range(100, 170))]
 
 
 def _side(checkpoint, work, name: str, env: dict) -> tuple[dict, str]:
-    (work / "prompts.json").write_text(json.dumps(PROMPTS))
     out = work / f"{name}.json"
     proc = run_python(
         f"""
@@ -39,6 +38,7 @@ def _side(checkpoint, work, name: str, env: dict) -> tuple[dict, str]:
 def sides(tiny_model, tmp_path_factory):
     checkpoint = tiny_model("qwen3", "float32")
     work = tmp_path_factory.mktemp("nvidia-default")
+    (work / "prompts.json").write_text(json.dumps(PROMPTS))
     return {
         "atom": _side(checkpoint, work, "atom", {"ATOM_ENABLE_MHA_ON_NVIDIA": "0"}),
         "stock": _side(checkpoint, work, "stock", {"ATOM_DISABLE_VLLM_PLUGIN": "1"}),
