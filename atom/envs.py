@@ -336,9 +336,9 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             "ATOM_ENABLE_ON_NVIDIA", "list of architectures", "",
-            "Architectures (HF names, e.g. GptOssForCausalLM; * for all) that atom's models serve on "
+            "Architectures (HF names, e.g. Qwen3ForCausalLM; * for all) that atom's models serve on "
             "NVIDIA GPUs although atom steps aside for them there by default, because atom measured "
-            "slower than vLLM's own model (docs/supported_models.md says which and why; none today).",
+            "slower than vLLM's own model (docs/supported_models.md says which and why: Qwen3ForCausalLM).",
             _parse_arch_list, "comma list of atom's architecture names, or *",
         ),
         EnvVar(

@@ -120,6 +120,12 @@ RECORDS: list[dict[str, Any]] = [
     # the atom side runs vLLM's FlashAttention, the same configuration as vattn; its own row, since
     # records pool only where each side ran the same classes)
     {"path": "bench/results/h200_2026-11-28h/ab_dense-dummy-cont-cap512_default.json"},
+    # The same capture-512 cell, H200 (2026-11-29), three launches of three sides: stock; atom with its
+    # dense Qwen3 stepping aside on NVIDIA (vLLM's Qwen3 and attention under atom's platform); amodel
+    # (ATOM_ENABLE_ON_NVIDIA=Qwen3ForCausalLM: atom's model on vLLM's attention, the previous default)
+    {"path": "bench/results/h200_2026-11-29/ab_dense-dummy-cont-cap512_launch1.json"},
+    {"path": "bench/results/h200_2026-11-29/ab_dense-dummy-cont-cap512_launch2.json"},
+    {"path": "bench/results/h200_2026-11-29/ab_dense-dummy-cont-cap512_launch3.json"},
 ]
 
 

@@ -121,8 +121,9 @@ def test_unloadable_quantization_steps_aside():
 def test_architecture_measured_slower_on_nvidia_steps_aside_unless_enabled(monkeypatch):
     """An architecture whose table entry records a measured loss on NVIDIA GPUs (``nvidia_aside``)
     goes to vLLM's own model there unless ATOM_ENABLE_ON_NVIDIA names it (or is *); other
-    architectures and other devices stay atom's. No entry has one today: GPT-OSS's measured loss
-    did not hold up under more launches (docs/performance.md), so it is atom's by default."""
+    architectures and other devices stay atom's. The dense Qwen3 has one (measured 0.80x of stock in
+    online serving on an H200, bench/NOTES.md 56); GPT-OSS's measured loss did not hold up under more
+    launches (docs/performance.md), so it is atom's by default."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -132,14 +133,23 @@ def test_architecture_measured_slower_on_nvidia_steps_aside_unless_enabled(monke
     cfg = SimpleNamespace(runner_type="generate", convert_type=None, hf_config=SimpleNamespace())
     monkeypatch.setattr(overrides, "on_nvidia", lambda: True)
     monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA", raising=False)
-    assert not [e.arch for e in MODEL_TABLE if e.nvidia_aside]
+    assert [e.arch for e in MODEL_TABLE if e.nvidia_aside] == ["Qwen3ForCausalLM"]
+    qwen3 = overrides.serves(["Qwen3ForCausalLM"], cfg)
+    assert not qwen3.value and "ATOM_ENABLE_ON_NVIDIA=Qwen3ForCausalLM serves it" in qwen3.reason
+    assert "0.80x" in qwen3.reason
+    for value in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM,Qwen3ForCausalLM", "*"):
+        monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", value)
+        assert overrides.serves(["Qwen3ForCausalLM"], cfg).value, value
+    monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", "Qwen3MoeForCausalLM")
+    assert not overrides.serves(["Qwen3ForCausalLM"], cfg).value
+    monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA")
     assert overrides.serves(["GptOssForCausalLM"], cfg).value
     monkeypatch.setitem(BY_ARCH, "GptOssForCausalLM",
                         dataclasses.replace(BY_ARCH["GptOssForCausalLM"], nvidia_aside="measured 0.5x of vLLM's"))
     aside = overrides.serves(["GptOssForCausalLM"], cfg)
     assert not aside.value and "ATOM_ENABLE_ON_NVIDIA=GptOssForCausalLM" in aside.reason
     assert "measured 0.5x of vLLM's" in aside.reason
-    for arch in ("Qwen3ForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM"):
+    for arch in ("Qwen3MoeForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM"):
         assert overrides.serves([arch], cfg).value, arch
     for value in ("GptOssForCausalLM", "LlamaForCausalLM,GptOssForCausalLM", "*"):
         monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", value)
@@ -149,6 +159,7 @@ def test_architecture_measured_slower_on_nvidia_steps_aside_unless_enabled(monke
     monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA")
     monkeypatch.setattr(overrides, "on_nvidia", lambda: False)
     assert overrides.serves(["GptOssForCausalLM"], cfg).value
+    assert overrides.serves(["Qwen3ForCausalLM"], cfg).value
 
 
 def test_parallel_layouts_atom_does_not_run_build_vllms_model(tiny_model):

@@ -15,7 +15,7 @@ fp8"), atom's dense fp8 model loses to vLLM's own path (DeepGEMM) at 64 and 256 
 sequences, so vLLM's model serves them unless ``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1``. MoE
 architectures (their time is in the experts, where atom's fp8 model measured a tie), per-tensor
 fp8, CPU and ROCm are unaffected. Likewise for an architecture whose table entry says atom
-measured slower than vLLM's model on NVIDIA GPUs (``ModelEntry.nvidia_aside``; none today), unless
+measured slower than vLLM's model on NVIDIA GPUs (``ModelEntry.nvidia_aside``: the dense Qwen3), unless
 ``ATOM_ENABLE_ON_NVIDIA`` names it.
 
 And atom steps aside for a checkpoint in a quantization format its model does not load (MXFP4
