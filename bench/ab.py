@@ -13,7 +13,8 @@ prompts, ``--in`` tokens in, ``--out`` out, greedy; with ``--arrivals continuous
 requests kept in flight, so that new prompts arrive while others decode, as in online serving)
 on each side, starting with a different side each round. ``--launches N`` repeats this N times
 with freshly started engines (the protocol's >= 3 launches per side in one command; seeds differ
-per launch, every window counts in the interval). A side's ``KEY=VALUE,KEY=VALUE`` sets its
+per launch, every window counts in the interval); launch L starts the sides in an order rotated by
+L - 1, so that no side is always the first engine on the GPU (the record's ``start_orders``). A side's ``KEY=VALUE,KEY=VALUE`` sets its
 environment (``NAME:`` for none).
 
 Reported per side: the median output tok/s over the rounds and its range; per non-reference
@@ -242,10 +243,12 @@ def main(argv: list[str]) -> int:
             return
         facts = {name: {**launch_facts[-1][name],
                         "ready_s_per_launch": [f[name]["ready_s"] for f in launch_facts]} for name in order}
+        start_orders = [list(f) for f in launch_facts]  # the order the engines came up in, per launch
         for conc in concs:
             if partial and not all(results[conc][name] for name in order):
                 continue
             record = _record(args, sides, order, conc, results[conc], facts, all_logs, warm[conc])
+            record["start_orders"] = start_orders
             if partial:
                 record["partial"] = partial
             if args.json:
@@ -270,12 +273,13 @@ def main(argv: list[str]) -> int:
     stopped: Optional[str] = None
     for launch in range(args.launches):
         # each launch: fresh engines (their start-up is part of the spread being measured), then
-        # the interleaved rounds; the sides start in turn, as in every launch
+        # the interleaved rounds; the sides start in turn, the first one rotating from launch to launch
         gpu_floor = _gpu_used_mib()
         procs: dict = {}
+        shift = launch % len(sides)
         try:
-            procs, facts, logs = _start(sides, spec, logdir, f".launch{launch + 1}" if args.launches > 1 else "",
-                                        procs)
+            procs, facts, logs = _start(sides[shift:] + sides[:shift], spec, logdir,
+                                        f".launch{launch + 1}" if args.launches > 1 else "", procs)
         except _TimeUp:
             stopped = time_up(f"SIGTERM while launch {launch + 1} started")
             _stop(procs, None, hurry=True)

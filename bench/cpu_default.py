@@ -9,7 +9,11 @@ interleaved round by round (stock, default, on, stock, default, on, ...):
 
 * ``stock``: ``ATOM_DISABLE_VLLM_PLUGIN=1``;
 * ``default``: atom installed, nothing set (on CPU its model overrides and attention are off);
-* ``on``: ``ATOM_ENABLE_ON_CPU=1`` (atom's models and attention, the torch reference kernels).
+* ``on``: ``ATOM_ENABLE_ON_CPU=1`` (atom's models and attention, the torch reference kernels);
+* ``nvaside``: ``ATOM_ENABLE_ON_CPU=1`` with atom's NVIDIA defaults (the child answers atom's
+  ``on_nvidia()`` with True): atom's platform active, and both NVIDIA step-asides in effect, so vLLM's
+  own Qwen3 and attention run under atom. Its ratio to stock is the per-step host cost of atom being
+  present where it steps aside (bench/NOTES.md entry 56), on a host-bound tiny model.
 
 Each process times ``--prompts`` greedy prompts x ``--tokens`` new tokens in one batch (output
 tok/s, best of 3 in-process repetitions after a warm-up) and batch-1 decode (ms/token). Prints
@@ -30,6 +34,9 @@ from pathlib import Path
 CHILD = textwrap.dedent("""
     import json, os, sys, time
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if os.environ.get("BENCH_AS_NVIDIA") == "1":  # the nvaside side: atom's NVIDIA defaults on this CPU
+        from atom.plugin.vllm import overrides
+        overrides.on_nvidia = lambda: True
     from vllm import LLM, SamplingParams
     model, prompts, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     llm = LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=max(prompts, 1),
@@ -48,11 +55,13 @@ CHILD = textwrap.dedent("""
     print("RESULT " + json.dumps({"class": cls, "tok_s": prompts * tokens / best, "ms_per_token": 1e3 * single / tokens}))
 """)
 
-SIDES = {"stock": {"ATOM_DISABLE_VLLM_PLUGIN": "1"}, "default": {}, "on": {"ATOM_ENABLE_ON_CPU": "1"}}
+SIDES = {"stock": {"ATOM_DISABLE_VLLM_PLUGIN": "1"}, "default": {}, "on": {"ATOM_ENABLE_ON_CPU": "1"},
+         "nvaside": {"ATOM_ENABLE_ON_CPU": "1", "BENCH_AS_NVIDIA": "1"}}
 
 
 def measure(model: Path, side: str, prompts: int, tokens: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("ATOM_ENABLE_ON_CPU", "ATOM_DISABLE_VLLM_PLUGIN")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ATOM_ENABLE_ON_CPU", "ATOM_DISABLE_VLLM_PLUGIN", "BENCH_AS_NVIDIA")}
     env.update(SIDES[side], VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(prompts), str(tokens)],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -68,14 +77,16 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--model-dir", default=os.path.expanduser("~/.cache/atom-bench/tiny-qwen3-fp32"))
+    p.add_argument("--sides", default=",".join(SIDES), help="comma list of " + ", ".join(SIDES) + " (stock always runs)")
     p.add_argument("--out")
     args = p.parse_args()
+    sides = ["stock"] + [s for s in args.sides.split(",") if s in SIDES and s != "stock"]
     from atom.testing.tiny_models import build
 
     model = build("qwen3", Path(args.model_dir), dtype="float32")
-    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(args.rounds):
-        for side in SIDES:
+        for side in sides:
             res = measure(model, side, args.prompts, args.tokens)
             runs[side].append(res)
             print(f"round {r + 1} {side:<8} {res['class']:<24} {res['tok_s']:8.0f} tok/s  "

@@ -87,6 +87,8 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     # one unmeasured warm-up window per side and launch, kept apart from the measured ones
     assert len(stock["warmup_tok_s"]) == len(atom["warmup_tok_s"]) == 2 and record["warmup_s"] == 0.3
     assert record["launches_per_side"] == 2 and len(atom["facts"]["ready_s_per_launch"]) == 2
+    # no side is always the first engine on the GPU: the start order rotates from launch to launch
+    assert record["start_orders"] == [["stock", "atom"], ["atom", "stock"]]
     assert [c.get("samples") is not None for c in atom["clocks"]] == [True, True]
     assert (tmp_path / "logs" / "atom.launch2.log").read_text().count("Initializing a V1 LLM engine") == 1
     assert stock["facts"]["model_class"].endswith("qwen3.Qwen3ForCausalLM")
