@@ -27,7 +27,9 @@ atom's attention backend), ``stock-triton`` (stock on vLLM's TRITON_ATTN: a seco
 the rounding-noise floor between two correct implementations), ``hf`` (HF transformers' own model:
 the second oracle, free-running greedy through ``generate`` and the teacher-forced scores of one
 forward pass per sequence). Any of them with ``-fp32`` runs in float32 (eager). One engine per
-subprocess.
+subprocess. The atom configs run atom's own model and attention on NVIDIA GPUs as well
+(``ATOM_ENABLE_ON_NVIDIA=*``, ``ATOM_ENABLE_MHA_ON_NVIDIA=1``), where atom's defaults step aside
+for a dense Qwen3 and for MHA attention: this tool checks atom's code, not its defaults.
 
     python bench/agreement.py --model-kind dense --out /tmp/out/agree.json           # H100
     python bench/agreement.py --smoke --out /tmp/agree_smoke.json                    # CPU
@@ -87,6 +89,13 @@ def config_spec(name: str) -> dict:
         spec["llm"]["attention_config"] = {"backend": "TRITON_ATTN"}
     if base == "hf":
         spec["hf"] = True
+    if spec["side"] == "atom" and not spec["hf"]:
+        # atom's own code on every device, as the suite's tests/conftest.py runs it: atom's NVIDIA
+        # step-asides (vLLM's model for a dense Qwen3, vLLM's MHA attention) would make an atom
+        # config vLLM's own there. atom-fa keeps vLLM's attention under atom's model.
+        spec["env"]["ATOM_ENABLE_ON_NVIDIA"] = "*"
+        if base != "atom-fa":
+            spec["env"]["ATOM_ENABLE_MHA_ON_NVIDIA"] = "1"
     known = {"stock", "atom", "stock-eager", "atom-eager", "atom-torch-ops", "atom-fa", "vllm-model-atom-attn",
              "stock-triton", "hf"}
     if base not in known and not base.startswith("atom-torch-"):

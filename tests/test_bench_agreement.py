@@ -46,14 +46,19 @@ def test_config_names_map_to_env_and_unknown_names_fail(agreement):
     assert agreement.config_spec("stock-fp32")["side"] == "stock"
     assert agreement.config_spec("stock-fp32")["dtype"] == "float32"
     assert agreement.config_spec("atom")["eager"] is False
-    assert agreement.config_spec("atom-torch-rms_norm")["env"] == {"ATOM_OPS_BACKEND": "rms_norm=torch"}
-    assert agreement.config_spec("atom-fa")["env"] == {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"}
+    # atom's configs run atom's own model and attention on NVIDIA GPUs too (its step-asides off)
+    on = {"ATOM_ENABLE_ON_NVIDIA": "*", "ATOM_ENABLE_MHA_ON_NVIDIA": "1"}
+    assert agreement.config_spec("atom")["env"] == on
+    assert agreement.config_spec("atom-torch-rms_norm")["env"] == {"ATOM_OPS_BACKEND": "rms_norm=torch", **on}
+    assert agreement.config_spec("atom-fa")["env"] == {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1",
+                                                       "ATOM_ENABLE_ON_NVIDIA": "*"}
+    assert agreement.config_spec("stock")["env"] == {} and agreement.config_spec("hf-fp32")["env"] == {}
     assert agreement.config_spec("vllm-model-atom-attn")["vllm_model"] is True
     # any config in float32 (eager), and HF transformers' model as the second oracle
     fa32 = agreement.config_spec("atom-fa-fp32")
     assert fa32["dtype"] == "float32" and fa32["eager"] is True
-    assert fa32["env"] == {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"}
-    assert agreement.config_spec("atom-torch-ops-fp32")["env"] == {"ATOM_OPS_BACKEND": "torch"}
+    assert fa32["env"] == {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1", "ATOM_ENABLE_ON_NVIDIA": "*"}
+    assert agreement.config_spec("atom-torch-ops-fp32")["env"] == {"ATOM_OPS_BACKEND": "torch", **on}
     assert agreement.config_spec("atom-fp32")["eager"] is True and agreement.config_spec("stock")["eager"] is False
     hf = agreement.config_spec("hf-fp32")
     assert hf["hf"] is True and hf["dtype"] == "float32" and agreement.config_spec("atom")["hf"] is False
