@@ -174,6 +174,14 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 60
     )
 
 
+def run_main(module: str, args: list[str], env: dict[str, str] | None = None,
+             timeout: float = 600) -> subprocess.CompletedProcess:
+    """``module``'s ``main(args)`` in a fresh interpreter (:func:`run_python`): the test runners'
+    child-engine call (plugins read the environment once per process)."""
+    return run_python(f"import sys\nfrom {module} import main\nsys.exit(main({[str(a) for a in args]!r}))\n",
+                      env=env, timeout=timeout)
+
+
 @pytest.fixture
 def python_subprocess():
     return run_python

@@ -14,7 +14,6 @@ import random
 import pytest
 
 from tests.attention import _runner as runner
-from tests.conftest import run_python
 
 # With max_num_batched_tokens=32 the 45/70/101-token prompts are prefilled in chunks while the
 # short ones already decode. A second round of prompts extends prefixes of the first round's
@@ -46,16 +45,8 @@ def fallback(checkpoint, tmp_path_factory):
     """vLLM's own attention under atom's platform and model (one fresh interpreter)."""
     work = tmp_path_factory.mktemp("attn-fallback")
     (work / "prompts.json").write_text(json.dumps(_rounds()))
-    proc = run_python(
-        f"""
-        import sys
-        from tests.attention._runner import main
-        sys.exit(main([{str(checkpoint)!r}, {str(work / 'prompts.json')!r}, {str(work / 'out.json')!r}]))
-        """,
-        env={**runner.ENGINE_ENV, "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((work / "out.json").read_text()), proc.stderr
+    return runner.main_in_fresh_interpreter(checkpoint, work / "prompts.json", work / "out.json",
+                                            {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"})
 
 
 @pytest.fixture(scope="module")

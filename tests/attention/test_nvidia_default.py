@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tests.attention import _runner as runner
-from tests.conftest import run_python
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(getattr(torch.version, "hip", None) is not None,
@@ -23,17 +22,7 @@ STOCK_QWEN3 = "vllm.model_executor.models.qwen3.Qwen3ForCausalLM"
 
 
 def _side(checkpoint, work, name: str, env: dict) -> tuple[dict, str]:
-    out = work / f"{name}.json"
-    proc = run_python(
-        f"""
-        import sys
-        from tests.attention._runner import main
-        sys.exit(main([{str(checkpoint)!r}, {str(work / 'prompts.json')!r}, {str(out)!r}]))
-        """,
-        env={**runner.ENGINE_ENV, **env},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stderr
+    return runner.main_in_fresh_interpreter(checkpoint, work / "prompts.json", work / f"{name}.json", env)
 
 
 @pytest.fixture(scope="module")

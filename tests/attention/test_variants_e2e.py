@@ -19,7 +19,7 @@ import pytest
 
 from tests.attention import _runner as runner
 from tests.attention.test_e2e import _prompts
-from tests.conftest import run_python
+from tests.conftest import run_main
 from tests.models._harness import first_token_error
 
 FUSION = {"ATOM_ENABLE_QK_NORM_ROPE_CACHE_QUANT_FUSION": "1"}
@@ -44,14 +44,7 @@ def engine_run(tiny_model, tmp_path_factory):
             args = [str(tiny_model(kind, "float32")), str(work / "prompts.json"), str(out)]
             args += [json.dumps(engine_kwargs)] if engine_kwargs else []
             args += ["--vllm-qwen3"] if vllm_qwen3 else []
-            proc = run_python(
-                f"""
-                import sys
-                from tests.attention._runner import main
-                sys.exit(main({args!r}))
-                """,
-                env={**runner.ENGINE_ENV, **env}, timeout=900,
-            )
+            proc = run_main("tests.attention._runner", args, env={**runner.ENGINE_ENV, **env}, timeout=900)
             if proc.returncode and NO_CPU_FP8_CACHE in proc.stderr:
                 cache[key] = {"unavailable": NO_CPU_FP8_CACHE}
                 return cache[key]
