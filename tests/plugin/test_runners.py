@@ -133,16 +133,21 @@ def test_architecture_measured_slower_on_nvidia_steps_aside_unless_enabled(monke
     cfg = SimpleNamespace(runner_type="generate", convert_type=None, hf_config=SimpleNamespace())
     monkeypatch.setattr(overrides, "on_nvidia", lambda: True)
     monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA", raising=False)
+
+    def switch(arch: str, other: str) -> None:
+        """ATOM_ENABLE_ON_NVIDIA naming ``arch`` (alone, in a list, or *) serves it; naming only ``other`` does not."""
+        for value in (arch, f"{other},{arch}", "*"):
+            monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", value)
+            assert overrides.serves([arch], cfg).value, value
+        monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", other)
+        assert not overrides.serves([arch], cfg).value
+        monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA")
+
     assert [e.arch for e in MODEL_TABLE if e.nvidia_aside] == ["Qwen3ForCausalLM"]
     qwen3 = overrides.serves(["Qwen3ForCausalLM"], cfg)
     assert not qwen3.value and "ATOM_ENABLE_ON_NVIDIA=Qwen3ForCausalLM serves it" in qwen3.reason
     assert "0.80x" in qwen3.reason
-    for value in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM,Qwen3ForCausalLM", "*"):
-        monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", value)
-        assert overrides.serves(["Qwen3ForCausalLM"], cfg).value, value
-    monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", "Qwen3MoeForCausalLM")
-    assert not overrides.serves(["Qwen3ForCausalLM"], cfg).value
-    monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA")
+    switch("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     assert overrides.serves(["GptOssForCausalLM"], cfg).value
     monkeypatch.setitem(BY_ARCH, "GptOssForCausalLM",
                         dataclasses.replace(BY_ARCH["GptOssForCausalLM"], nvidia_aside="measured 0.5x of vLLM's"))
@@ -151,12 +156,7 @@ def test_architecture_measured_slower_on_nvidia_steps_aside_unless_enabled(monke
     assert "measured 0.5x of vLLM's" in aside.reason
     for arch in ("Qwen3MoeForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM"):
         assert overrides.serves([arch], cfg).value, arch
-    for value in ("GptOssForCausalLM", "LlamaForCausalLM,GptOssForCausalLM", "*"):
-        monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", value)
-        assert overrides.serves(["GptOssForCausalLM"], cfg).value, value
-    monkeypatch.setenv("ATOM_ENABLE_ON_NVIDIA", "LlamaForCausalLM")
-    assert not overrides.serves(["GptOssForCausalLM"], cfg).value
-    monkeypatch.delenv("ATOM_ENABLE_ON_NVIDIA")
+    switch("GptOssForCausalLM", "LlamaForCausalLM")
     monkeypatch.setattr(overrides, "on_nvidia", lambda: False)
     assert overrides.serves(["GptOssForCausalLM"], cfg).value
     assert overrides.serves(["Qwen3ForCausalLM"], cfg).value
