@@ -14,8 +14,8 @@ requests kept in flight, so that new prompts arrive while others decode, as in o
 on each side, starting with a different side each round. ``--launches N`` repeats this N times
 with freshly started engines (the protocol's >= 3 launches per side in one command; seeds differ
 per launch, every window counts in the interval); launch L starts the sides in an order rotated by
-L - 1, so that no side is always the first engine on the GPU (the record's ``start_orders``). A side's ``KEY=VALUE,KEY=VALUE`` sets its
-environment (``NAME:`` for none).
+L - 1, so that no side is always the first engine on the GPU (the record's ``start_orders``). A
+side's ``KEY=VALUE,KEY=VALUE`` sets its environment (``NAME:`` for none).
 
 Reported per side: the median output tok/s over the rounds and its range; per non-reference
 side the ratio of medians to the first side (the reference) with a bootstrap 95 % interval over

@@ -77,7 +77,8 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--model-dir", default=os.path.expanduser("~/.cache/atom-bench/tiny-qwen3-fp32"))
-    p.add_argument("--sides", default=",".join(SIDES), help="comma list of " + ", ".join(SIDES) + " (stock always runs)")
+    p.add_argument("--sides", default=",".join(SIDES),
+                   help="comma list of " + ", ".join(SIDES) + " (stock always runs)")
     p.add_argument("--out")
     args = p.parse_args()
     sides = ["stock"] + [s for s in args.sides.split(",") if s in SIDES and s != "stock"]
