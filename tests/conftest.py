@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import json
 import os
 import re
 import subprocess
@@ -180,6 +181,14 @@ def run_main(module: str, args: list[str], env: dict[str, str] | None = None,
     child-engine call (plugins read the environment once per process)."""
     return run_python(f"import sys\nfrom {module} import main\nsys.exit(main({[str(a) for a in args]!r}))\n",
                       env=env, timeout=timeout)
+
+
+def run_main_json(module: str, args: list, out: Path, env: dict[str, str]) -> tuple[dict, str]:
+    """:func:`run_main`, which must succeed, then (the JSON the child wrote to ``out``, its stderr,
+    where atom's log lines are)."""
+    proc = run_main(module, args, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(Path(out).read_text()), proc.stderr
 
 
 @pytest.fixture

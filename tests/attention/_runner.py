@@ -117,17 +117,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def main_in_fresh_interpreter(model_dir: Any, prompts_path: Any, out_path: Any,
-                              env: dict[str, str]) -> tuple[dict[str, Any], str]:
-    """:func:`main` on these files in a fresh interpreter (plugins read the environment once per
-    process), with ENGINE_ENV and ``env``: (its results, its stderr, where atom's log lines are)."""
-    from tests.conftest import run_main
-
-    proc = run_main("tests.attention._runner", [model_dir, prompts_path, out_path], env={**ENGINE_ENV, **env})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(out_path) as f:
-        return json.load(f), proc.stderr
-
-
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

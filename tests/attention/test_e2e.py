@@ -14,6 +14,7 @@ import random
 import pytest
 
 from tests.attention import _runner as runner
+from tests.conftest import run_main_json
 
 # With max_num_batched_tokens=32 the 45/70/101-token prompts are prefilled in chunks while the
 # short ones already decode. A second round of prompts extends prefixes of the first round's
@@ -45,8 +46,8 @@ def fallback(checkpoint, tmp_path_factory):
     """vLLM's own attention under atom's platform and model (one fresh interpreter)."""
     work = tmp_path_factory.mktemp("attn-fallback")
     (work / "prompts.json").write_text(json.dumps(_rounds()))
-    return runner.main_in_fresh_interpreter(checkpoint, work / "prompts.json", work / "out.json",
-                                            {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"})
+    return run_main_json("tests.attention._runner", [checkpoint, work / "prompts.json", work / "out.json"],
+                         work / "out.json", {**runner.ENGINE_ENV, "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"})
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import random
 import pytest
 
 from tests.attention import _mla_runner as runner
-from tests.conftest import run_main
+from tests.conftest import run_main_json
 
 # With max_num_seqs=4 and different max_tokens, prompts 4-6 are prefilled while 0-3 still decode;
 # the 1-token prompt is a decode row from its first step. The last prompt shares 40 tokens with
@@ -47,10 +47,8 @@ def checkpoint(tiny_model):
 def _run(checkpoint, work, name, kwargs, env):
     (work / "prompts.json").write_text(json.dumps(_prompts()))
     out = work / f"{name}.json"
-    proc = run_main("tests.attention._mla_runner", [checkpoint, work / "prompts.json", out, json.dumps(kwargs)],
-                    env={**runner.ENGINE_ENV, **env})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stderr
+    return run_main_json("tests.attention._mla_runner", [checkpoint, work / "prompts.json", out, json.dumps(kwargs)],
+                         out, {**runner.ENGINE_ENV, **env})
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.attention import _runner as runner
+from tests.conftest import run_main_json
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(getattr(torch.version, "hip", None) is not None,
@@ -22,7 +23,9 @@ STOCK_QWEN3 = "vllm.model_executor.models.qwen3.Qwen3ForCausalLM"
 
 
 def _side(checkpoint, work, name: str, env: dict) -> tuple[dict, str]:
-    return runner.main_in_fresh_interpreter(checkpoint, work / "prompts.json", work / f"{name}.json", env)
+    out = work / f"{name}.json"
+    return run_main_json("tests.attention._runner", [checkpoint, work / "prompts.json", out], out,
+                         {**runner.ENGINE_ENV, **env})
 
 
 @pytest.fixture(scope="module")
