@@ -202,6 +202,9 @@ def main(argv: list[str]) -> int:
                    help="seconds of unmeasured load per side and cell after each launch (0: none)")
     p.add_argument("--launches", type=int, default=1,
                    help="engine launches per side in this run, each with --rounds rounds (the protocol asks for >= 3)")
+    p.add_argument("--first-shift", type=int, default=0,
+                   help="rotate the start order of the first launch by this many sides (a run that continues "
+                        "another run's launches in a later command)")
     p.add_argument("--gpu-util", type=float, default=0.28)
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--vocab", type=int, default=32000)
@@ -276,7 +279,7 @@ def main(argv: list[str]) -> int:
         # the interleaved rounds; the sides start in turn, the first one rotating from launch to launch
         gpu_floor = _gpu_used_mib()
         procs: dict = {}
-        shift = launch % len(sides)
+        shift = (launch + args.first_shift) % len(sides)
         try:
             procs, facts, logs = _start(sides[shift:] + sides[:shift], spec, logdir,
                                         f".launch{launch + 1}" if args.launches > 1 else "", procs)

@@ -61,7 +61,8 @@
 #            uniform): routers with Zipf-like expert popularity (bench/e2e_models.py router_row_scales; 0.2
 #            puts the hottest expert at ~3.5x the mean load), checkpoint and label suffixed -zipf<skew>. AB_CONC may be
 #            a comma list (cells interleaved in the same engines). AB_LAUNCHES (default 1): fresh engine launches per side in
-#            this one command, AB_ROUNDS rounds each. AB_SIDES (comma list of stock, atom, old; default all):
+#            this one command, AB_ROUNDS rounds each; AB_FIRST_SHIFT=N rotates the first launch's start order by N sides
+#            (a command that continues another's launches: 1, then 2 for three sides). AB_SIDES (comma list of stock, atom, old; default all):
 #            start only those sides (AB_SWITCH_SIDE's name included), e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
 #            MoE; the sides start one after another). AB_SWITCH_SIDE=NAME:KEY=VALUE,...: one more side, atom's
@@ -242,7 +243,7 @@ for step in "$@"; do
             rm -rf "/tmp/ab-logs-$m"  # this command's launches only
             timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m_label-L$l" "${sides[@]}" \
                 --arrivals "$arrivals" \
-                --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" \
+                --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" --first-shift "${AB_FIRST_SHIFT:-0}" \
                 --window "${AB_WINDOW:-15}" --warmup "${AB_WARMUP:-5}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
                 --engine "$engine" \
                 --json "$OUT/ab_$m.json" > "$OUT/ab_$m.txt" 2>&1

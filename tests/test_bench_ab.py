@@ -124,10 +124,13 @@ def test_continuous_arrivals_keep_the_requests_in_flight(tiny_model, tmp_path):
     model = tiny_model("qwen3", "float32")
     out = tmp_path / "cell.json"
     proc = _run_ab(model, tmp_path, "--side", "stock:ATOM_DISABLE_VLLM_PLUGIN=1", "--side", "atom:ATOM_ENABLE_ON_CPU=1",
-                   "--rounds", "1", "--window", "2.0", "--warmup", "0", "--arrivals", "continuous")
+                   "--rounds", "1", "--window", "2.0", "--warmup", "0", "--arrivals", "continuous",
+                   "--first-shift", "1")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     record = json.loads(out.read_text())
     assert record["arrivals"] == "continuous"
+    # --first-shift: a command that continues another's launches starts where that one's rotation left off
+    assert record["start_orders"] == [["atom", "stock"]]
     assert "mixed" in proc.stdout  # the window lines count steps, not batches
     atom = record["sides"]["atom"]
     assert atom["agreement"] == 1.0  # fp32 greedy on identical prompts
