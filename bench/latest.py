@@ -126,6 +126,12 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h200_2026-11-29/ab_dense-dummy-cont-cap512_launch1.json"},
     {"path": "bench/results/h200_2026-11-29/ab_dense-dummy-cont-cap512_launch2.json"},
     {"path": "bench/results/h200_2026-11-29/ab_dense-dummy-cont-cap512_launch3.json"},
+    # The same capture-512 cell, H200 (2026-11-29b), an A/A control: stock, atom (the same default as
+    # above) and stock2 (stock again with its own compile cache), four launches, start order rotated
+    {"path": "bench/results/h200_2026-11-29b/ab_dense-dummy-cont-cap512_aa_launch1.json"},
+    {"path": "bench/results/h200_2026-11-29b/ab_dense-dummy-cont-cap512_aa_launch2.json"},
+    {"path": "bench/results/h200_2026-11-29b/ab_dense-dummy-cont-cap512_aa_launch3.json"},
+    {"path": "bench/results/h200_2026-11-29b/ab_dense-dummy-cont-cap512_aa_launch4.json"},
 ]
 
 
