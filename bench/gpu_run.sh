@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # Steps run on the GPU machine after ../shared/gpu/stage_vllm.py's parts are unpacked into
 # /tmp/site (see ../shared/gpu/README.md). Usage: bash bench/gpu_run.sh STEP [STEP ...]
+#   stagepart  copy the staging parts this call carries (STAGE_FROM, default .stage/fi: the
+#            `*.tar.xz.part*` of ../shared/gpu/stage_vllm.py; carry one part per call) to /tmp/stage (STAGE_DIR)
+#   unstage  check every part in /tmp/stage against the staging's SHA256SUMS (STAGE_SUMS, default the
+#            `*.SHA256SUMS` in STAGE_FROM; carry it with the last part) and unpack them into /tmp/site
+#            (STAGE_SITE); a missing or damaged part stops the command and leaves /tmp/site as it was.
+#            A session: `stagepart` per part, then `stagepart unstage install ...` with the last one
 #   install  install the atom wheel carried in .stage/tools into /tmp/site (entry points visible)
 #   serve-deps  wheels carried in .stage/serve (uvicorn, prometheus-fastapi-instrumentator, aiohttp,
 #            ...: `pip download --no-deps --python-version 3.12` of what `vllm serve` and its
@@ -144,6 +150,18 @@ for step in "$@"; do
     case "$step" in
         serve-deps) python3 -m pip install -q --no-index --no-deps --target /tmp/site-serve .stage/serve/*.whl 2>&1 | tail -2
               python3 -c "import uvicorn, prometheus_fastapi_instrumentator, vllm.entrypoints.openai.api_server; print('vllm serve imports ok')" 2>&1 | tail -2 ;;
+        stagepart) from="${STAGE_FROM:-.stage/fi}"; dir="${STAGE_DIR:-/tmp/stage}"; mkdir -p "$dir"; n=0
+              for part in "$from"/*.tar.xz.part*; do [ -f "$part" ] && cp "$part" "$dir/" && n=$((n + 1)); done
+              echo "stagepart: $n part(s) from $from; $dir holds $(ls "$dir" | tr '\n' ' ')" ;;
+        unstage) dir="${STAGE_DIR:-/tmp/stage}"; site="${STAGE_SITE:-/tmp/site}"
+              sums="${STAGE_SUMS:-$(ls "${STAGE_FROM:-.stage/fi}"/*.SHA256SUMS 2>/dev/null | head -1)}"
+              [ -n "$sums" ] && [ -f "$sums" ] && sums=$(realpath "$sums")
+              if [ -z "$sums" ] || [ ! -f "$sums" ] || ! (cd "$dir" && sha256sum -c --quiet "$sums"); then
+                  echo "unstage: staging parts missing or damaged in $dir (sums: ${sums:-none}); $site left as it was"; exit 3; fi
+              rm -rf "$site.new" && mkdir -p "$site.new"  # the parts the sums name, in their order
+              if ! (cd "$dir" && cat $(awk '{print $2}' "$sums")) | xz -dc | tar -C "$site.new" -xf -; then
+                  rm -rf "$site.new"; echo "unstage: unpacking failed; $site left as it was"; exit 3; fi
+              rm -rf "$site" && mv "$site.new" "$site" && echo "unstage: $(du -sh "$site" | cut -f1) in $site" ;;
         install) python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .stage/tools/atom_vllm-*.whl 2>&1 | tail -2 ;;
         facts) python3 bench/vllm_facts.py > "$OUT/facts.txt" 2>&1; tail -5 "$OUT/facts.txt" ;;
         demo) timeout 400 python3 scripts/demo.py --out /tmp/demo > "$OUT/demo.txt" 2>&1; tail -8 "$OUT/demo.txt" ;;

@@ -189,3 +189,61 @@ def test_cache_pack_and_unpack_round_trip(tmp_path):
     run = subprocess.run(["bash", str(SCRIPT), "cachepack"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=60)
     assert "nothing kept" in run.stdout and not list(out.iterdir())
+
+
+def _stage_call(tmp_path: Path, carried: list[Path], *steps: str) -> subprocess.CompletedProcess:
+    """One device call of the staging steps: ``carried`` is what the call's tree holds under
+    STAGE_FROM (the device tool carries one part per call); /tmp/stage and /tmp/site are tmp_path's."""
+    fi = tmp_path / "carried"
+    if fi.exists():
+        for f in fi.iterdir():
+            f.unlink()
+    fi.mkdir(exist_ok=True)
+    for f in carried:
+        (fi / f.name).write_bytes(f.read_bytes())
+    env = {**os.environ, "STAGE_FROM": str(fi), "STAGE_DIR": str(tmp_path / "stage"),
+           "STAGE_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out")}
+    return subprocess.run(["bash", str(SCRIPT), *steps], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_staging_parts_travel_one_per_call_and_unpack_only_when_all_check(tmp_path):
+    payload = tmp_path / "payload"
+    (payload / "vllm").mkdir(parents=True)
+    (payload / "vllm" / "__init__.py").write_text("__version__ = '0.26.0'\n" + "#" * 4000 + "\n")
+    built = tmp_path / "built"
+    built.mkdir()
+    archive = subprocess.run(["tar", "-C", str(payload), "-cJf", "-", "vllm"], capture_output=True, check=True).stdout
+    half = len(archive) // 2
+    parts = [built / "v.tar.xz.part00", built / "v.tar.xz.part01"]
+    parts[0].write_bytes(archive[:half])
+    parts[1].write_bytes(archive[half:])
+    sums = built / "v.SHA256SUMS"
+    sums.write_text(subprocess.run(["sha256sum", *[p.name for p in parts]], cwd=built, capture_output=True,
+                                   text=True, check=True).stdout)
+    site = tmp_path / "site"
+    # the first call carries the first part only: nothing to unpack yet, and unstage says so
+    first = _stage_call(tmp_path, [parts[0]], "stagepart")
+    assert first.returncode == 0 and "1 part(s)" in first.stdout
+    early = _stage_call(tmp_path, [sums], "unstage")
+    assert early.returncode == 3 and "missing or damaged" in early.stdout and not site.exists()
+    # the last call carries the last part and the sums: both parts check, the site is unpacked
+    last = _stage_call(tmp_path, [parts[1], sums], "stagepart", "unstage")
+    assert last.returncode == 0, last.stdout + last.stderr
+    assert (site / "vllm" / "__init__.py").read_text().startswith("__version__ = '0.26.0'")
+    # a damaged part stops the command (later steps do not run) and loses nothing already unpacked
+    damaged = tmp_path / "stage" / parts[0].name
+    damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+    again = _stage_call(tmp_path, [sums], "unstage", "facts")
+    assert again.returncode == 3 and "left as it was" in again.stdout and "=== facts" not in again.stdout
+    assert (site / "vllm" / "__init__.py").exists()
+    # parts that check against their sums but do not unpack (a broken staging) lose nothing either
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for p in parts:
+        (bad / p.name).write_bytes(b"not xz" + p.read_bytes()[6:])
+    (bad / sums.name).write_text(subprocess.run(["sha256sum", *[p.name for p in parts]], cwd=bad, capture_output=True,
+                                                text=True, check=True).stdout)
+    broken = _stage_call(tmp_path, sorted(bad.iterdir()), "stagepart", "unstage")
+    assert broken.returncode == 3 and "unpacking failed" in broken.stdout, broken.stdout + broken.stderr
+    assert (site / "vllm" / "__init__.py").exists() and not (tmp_path / "site.new").exists()
