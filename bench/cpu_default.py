@@ -14,6 +14,12 @@ interleaved round by round (stock, default, on, stock, default, on, ...):
   ``on_nvidia()`` with True): atom's platform active, and both NVIDIA step-asides in effect, so vLLM's
   own Qwen3 and attention run under atom. Its ratio to stock is the per-step host cost of atom being
   present where it steps aside (bench/NOTES.md entry 56), on a host-bound tiny model.
+* ``nvmodel``: ``nvaside`` with ``ATOM_ENABLE_ON_NVIDIA=Qwen3ForCausalLM``: atom's Qwen3 model on vLLM's
+  attention under atom's platform (what that switch serves on an NVIDIA GPU). Its ratio to ``nvaside``
+  is atom's model against vLLM's with everything else equal (bench/NOTES.md entries 56-58).
+
+``--compile`` runs the engines with vLLM's torch.compile (its default here) instead of eager mode:
+the model's compiled pieces and the eager glue between them, as a GPU runs them outside CUDA graphs.
 
 Each process times ``--prompts`` greedy prompts x ``--tokens`` new tokens in one batch (output
 tok/s, best of 3 in-process repetitions after a warm-up) and batch-1 decode (ms/token). Prints
@@ -40,7 +46,7 @@ CHILD = textwrap.dedent("""
     from vllm import LLM, SamplingParams
     model, prompts, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     llm = LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=max(prompts, 1),
-              gpu_memory_utilization=0.3, seed=0, enforce_eager=True)
+              gpu_memory_utilization=0.3, seed=0, enforce_eager=os.environ.get("BENCH_COMPILE") != "1")
     cls = llm.apply_model(lambda m: type(m).__qualname__)[0]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": [(7 * i + j) % 900 + 10 for j in range(24)]} for i in range(prompts)]
@@ -56,13 +62,16 @@ CHILD = textwrap.dedent("""
 """)
 
 SIDES = {"stock": {"ATOM_DISABLE_VLLM_PLUGIN": "1"}, "default": {}, "on": {"ATOM_ENABLE_ON_CPU": "1"},
-         "nvaside": {"ATOM_ENABLE_ON_CPU": "1", "BENCH_AS_NVIDIA": "1"}}
+         "nvaside": {"ATOM_ENABLE_ON_CPU": "1", "BENCH_AS_NVIDIA": "1"},
+         "nvmodel": {"ATOM_ENABLE_ON_CPU": "1", "BENCH_AS_NVIDIA": "1", "ATOM_ENABLE_ON_NVIDIA": "Qwen3ForCausalLM"}}
 
 
-def measure(model: Path, side: str, prompts: int, tokens: int) -> dict:
+def measure(model: Path, side: str, prompts: int, tokens: int, compile_: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("ATOM_ENABLE_ON_CPU", "ATOM_DISABLE_VLLM_PLUGIN", "BENCH_AS_NVIDIA")}
-    env.update(SIDES[side], VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+           if k not in ("ATOM_ENABLE_ON_CPU", "ATOM_DISABLE_VLLM_PLUGIN", "BENCH_AS_NVIDIA", "ATOM_ENABLE_ON_NVIDIA",
+                        "BENCH_COMPILE")}
+    env.update(SIDES[side], VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               BENCH_COMPILE="1" if compile_ else "0")
     proc = subprocess.run([sys.executable, "-c", CHILD, str(model), str(prompts), str(tokens)],
                           env=env, capture_output=True, text=True, timeout=900)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -79,22 +88,30 @@ def main() -> int:
     p.add_argument("--model-dir", default=os.path.expanduser("~/.cache/atom-bench/tiny-qwen3-fp32"))
     p.add_argument("--sides", default=",".join(SIDES),
                    help="comma list of " + ", ".join(SIDES) + " (stock always runs)")
+    p.add_argument("--compile", action="store_true", help="vLLM's torch.compile instead of eager mode")
+    p.add_argument("--layers", type=int, default=0,
+                   help="decoder layers of the tiny Qwen3 (default: its 2); more layers weigh per-layer host costs "
+                        "against per-step ones as a deep model does (its own --model-dir suffix)")
     p.add_argument("--out")
     args = p.parse_args()
     sides = ["stock"] + [s for s in args.sides.split(",") if s in SIDES and s != "stock"]
     from atom.testing.tiny_models import build
 
-    model = build("qwen3", Path(args.model_dir), dtype="float32")
+    if args.layers:
+        model = build("qwen3", Path(f"{args.model_dir}-L{args.layers}"), dtype="float32", num_hidden_layers=args.layers)
+    else:
+        model = build("qwen3", Path(args.model_dir), dtype="float32")
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(args.rounds):
         for side in sides:
-            res = measure(model, side, args.prompts, args.tokens)
+            res = measure(model, side, args.prompts, args.tokens, args.compile)
             runs[side].append(res)
             print(f"round {r + 1} {side:<8} {res['class']:<24} {res['tok_s']:8.0f} tok/s  "
                   f"{res['ms_per_token']:6.2f} ms/token", flush=True)
     stock = statistics.median(r["tok_s"] for r in runs["stock"])
     stock_ms = statistics.median(r["ms_per_token"] for r in runs["stock"])
-    print(f"\n{args.prompts} prompts x {args.tokens} tokens, {args.rounds} interleaved rounds (median [min, max])")
+    print(f"\n{args.prompts} prompts x {args.tokens} tokens, {args.rounds} interleaved rounds (median [min, max]), "
+          f"{'torch.compile' if args.compile else 'eager'}, {args.layers or 2} layers")
     print(f"{'side':<8} {'model class':<24} {'out tok/s':>24} {'vs stock':>9} {'batch-1 ms/token':>24} {'vs stock':>9}")
     summary = {}
     for side, rs in runs.items():

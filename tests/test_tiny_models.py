@@ -46,3 +46,15 @@ def test_one_tokenizer_builder_for_tiny_and_realistic_vocabularies(tmp_path):
     text = "def tokenizer(text): return text"
     assert tiny(text)["input_ids"] == padded(text)["input_ids"]  # padding only adds ids past the trained ones
     assert tiny.eos_token == padded.eos_token == "<|endoftext|>" and tiny.chat_template == padded.chat_template
+
+
+def test_build_overrides_entries_of_the_kinds_config(tmp_path):
+    """bench/cpu_default.py --layers: a deeper tiny Qwen3, the rest of its config the kind's."""
+    import json
+
+    from atom.testing.tiny_models import KINDS, build
+
+    path = build("qwen3", tmp_path / "deep", dtype="float32", num_hidden_layers=5)
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 5
+    assert config["hidden_size"] == KINDS["qwen3"][1]["hidden_size"] and config["architectures"] == ["Qwen3ForCausalLM"]

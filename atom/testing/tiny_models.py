@@ -186,8 +186,9 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = VOCAB_SIZE - 24, *, p
     fast.save_pretrained(out_dir)
 
 
-def build(kind: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
-    """Write a tiny random checkpoint of ``kind`` (see :data:`KINDS`) into ``out_dir``."""
+def build(kind: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16", **overrides: Any) -> Path:
+    """Write a tiny random checkpoint of ``kind`` (see :data:`KINDS`) into ``out_dir``; ``overrides``
+    replace entries of the kind's config (e.g. ``num_hidden_layers=36``)."""
     import torch
     import transformers
 
@@ -200,7 +201,7 @@ def build(kind: str, out_dir: str | Path, seed: int = 0, dtype: str = "bfloat16"
     cls_name, kwargs = KINDS[kind]
     config = getattr(transformers, cls_name)(
         vocab_size=VOCAB_SIZE, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-        torch_dtype=dtype, **kwargs,
+        torch_dtype=dtype, **{**kwargs, **overrides},
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
