@@ -90,7 +90,8 @@
 #            ab_<arch>.{json,txt}, ab_<arch>.logs.txt
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built (or a config-only one with PROFILE_ARGS
 #            "--load-format dummy"; --conc 1,64: one engine a side for both) -> $OUT/profile/ (kernel time by
-#            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256)
+#            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256); PROFILE_TAG=T:
+#            $OUT/profile_T/ instead (two profiles in one command, e.g. with and without an ATOM_* variable)
 #   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
 #            unpacks bench/stage_sglang.py's parts from /tmp/sglang-parts into /tmp/site-sglang once,
 #            installs this checkout's atom there (entry points visible), imports SGLang's CUDA path
@@ -319,10 +320,10 @@ for step in "$@"; do
                     wait_gpu_idle 90
                 fi
             done ;;
-        profile) mkdir -p "$OUT/profile"
-              timeout 580 python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \
-                  --json "$OUT/profile/profile.json" > "$OUT/profile/profile.txt" 2>&1
-              tail -60 "$OUT/profile/profile.txt" ;;
+        profile) pdir="$OUT/profile${PROFILE_TAG:+_$PROFILE_TAG}"; mkdir -p "$pdir"
+              timeout "${PROFILE_TIMEOUT:-580}" python3 bench/profile_e2e.py ${PROFILE_ARGS:---model /tmp/atom-e2e-models/moe-L4-v32000 --in 128 --out 128 --conc 256} \
+                  --json "$pdir/profile.json" > "$pdir/profile.txt" 2>&1
+              tail -60 "$pdir/profile.txt" ;;
         sglang) mkdir -p "$OUT/sglang" /tmp/site-sglang; m="${SGLANG_MODEL:-dense}"
               if [ ! -d /tmp/site-sglang/sglang ]; then
                   (cd /tmp/sglang-parts && sha256sum -c sglang0517.SHA256SUMS) || { echo "parts missing or corrupt"; continue; }

@@ -247,3 +247,15 @@ def test_staging_parts_travel_one_per_call_and_unpack_only_when_all_check(tmp_pa
     broken = _stage_call(tmp_path, sorted(bad.iterdir()), "stagepart", "unstage")
     assert broken.returncode == 3 and "unpacking failed" in broken.stdout, broken.stdout + broken.stderr
     assert (site / "vllm" / "__init__.py").exists() and not (tmp_path / "site.new").exists()
+
+
+def test_profile_tag_and_first_shift_reach_the_scripts(tmp_path):
+    """PROFILE_TAG keeps two profiles of one command apart; AB_FIRST_SHIFT continues the start-order
+    rotation of an earlier command's launches (bench/ab.py --first-shift)."""
+    for tag, folder in (("", "profile"), ("model", "profile_model")):
+        calls, _ = _run_step(tmp_path, "profile", PROFILE_TAG=tag)
+        (prof,) = _script_calls(calls, "bench/profile_e2e.py")
+        assert _opt(prof["argv"], "--json") == str(tmp_path / "out" / folder / "profile.json")
+    calls, _ = _run_step(tmp_path, "ab", AB_FIRST_SHIFT="2", AB_ROUNDS="1")
+    (ab,) = _script_calls(calls, "bench/ab.py")
+    assert _opt(ab["argv"], "--first-shift") == "2"
