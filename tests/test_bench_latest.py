@@ -29,7 +29,8 @@ def test_every_cell_says_what_the_protocol_asks_for():
             if name != cell["reference"]:
                 assert side["ratio_ci_low"] <= side["ratio"] <= side["ratio_ci_high"]
                 assert side["verdict"] == latest.cell_verdict(side["ratio"], side["ratio_ci_low"], side["ratio_ci_high"],
-                                                              cell["launches_per_side"])
+                                                              side["launches"])
+                assert side["launches"] <= cell["launches_per_side"]
 
 
 def _record(tok_stock, tok_atom, date, **extra):
@@ -165,3 +166,28 @@ def test_targets_are_judged_on_the_low_end_of_cells_with_three_launches():
     other = _cell("dense-L36", 64, 1.15, 1.11, 1.2, 3)
     other["reference"] = "atom"
     assert _status([other])["dense-throughput"] == "not decided"
+
+
+def test_a_side_pools_across_records_whatever_third_side_ran_next_to_it(tmp_path):
+    """An A/B/C and an A/B/D of one cell pool B (the same classes): B's ratio uses the reference's
+    windows of the records B ran in, and its launch count is its own; C and D each keep theirs.
+    A side name that ran other classes (atom's model stepping aside) opens a cell of its own."""
+    assumed = {"gpu": "G", "versions": {"vllm": "0.26.0"}}
+    first = _record([100, 100], [90, 91], "d1")
+    first["sides"]["old"] = {**first["sides"]["atom"], "tok_s": [50, 51]}
+    second = _record([200, 200], [180, 181], "d2")
+    second["sides"]["stock2"] = {**second["sides"]["stock"], "tok_s": [199, 201]}
+    third = _record([100, 100], [100, 100], "d3")
+    third["sides"]["atom"]["facts"] = {"model_class": "c.Other", "attention_impls": ["X"]}
+    for name, rec in (("a", first), ("b", second), ("c", third)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(rec))
+    out = latest.build([{"path": f"{n}.json", "assumed": assumed} for n in "abc"], root=tmp_path)
+    pooled, other = out["cells"]
+    assert list(pooled["sides"]) == ["stock", "atom", "old", "stock2"] and pooled["launches_per_side"] == 2
+    atom = pooled["sides"]["atom"]
+    assert atom["windows"] == 4 and atom["launches"] == 2 and atom["ratio"] == pytest.approx(135.5 / 150, abs=1e-4)
+    # old ran only next to the first record's stock windows (100), stock2 only next to the second's (200)
+    assert pooled["sides"]["old"]["ratio"] == pytest.approx(0.505) and pooled["sides"]["old"]["launches"] == 1
+    assert pooled["sides"]["stock2"]["ratio"] == pytest.approx(1.0) and pooled["sides"]["stock2"]["launches"] == 1
+    assert other["sides"]["atom"]["model_class"] == "c.Other" and other["sources"] == ["c.json"]
+    assert "| m | 8/8@2 | old | 50 | 0.51x [" in latest.render(out) and "| 1 x 2 |" in latest.render(out)
