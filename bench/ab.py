@@ -55,8 +55,10 @@ KERNEL_LINE = re.compile(r"Using \S+ (attention )?backend|Selected .* for |[Uu]s
 
 
 def parse_side(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME:KEY=VALUE,KEY=VALUE``; a comma inside a value is written ``\\,`` (e.g. a list of patch
+    ids for ATOM_DISABLED_PATCHES)."""
     name, _, rest = text.partition(":")
-    env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    env = dict(kv.replace("\\,", ",").split("=", 1) for kv in re.split(r"(?<!\\),", rest) if kv)
     return name, env
 
 

@@ -72,6 +72,9 @@ def test_sides_parse():
     assert ab.parse_side("stock:ATOM_DISABLE_VLLM_PLUGIN=1") == ("stock", {"ATOM_DISABLE_VLLM_PLUGIN": "1"})
     assert ab.parse_side("atom:") == ("atom", {})
     assert ab.parse_side("old:PYTHONPATH=/a:/b,X=1") == ("old", {"PYTHONPATH": "/a:/b", "X": "1"})
+    # a list value (several patch ids) escapes its commas
+    assert ab.parse_side(r"nopatch:ATOM_DISABLED_PATCHES=a.b\,c.d,X=1") == (
+        "nopatch", {"ATOM_DISABLED_PATCHES": "a.b,c.d", "X": "1"})
 
 
 def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
