@@ -77,8 +77,8 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
         quantization=("fp8",),
         nvidia_aside="atom's Qwen3 (with vLLM's attention) measured 0.80x [0.75, 0.91] of stock vLLM's output "
                      "tok/s in online serving on an H200 (Qwen3-8B dims, 36 layers, bf16, 64 requests in flight, "
-                     "3 launches), where vLLM's Qwen3 under atom's platform measured 0.90x [0.86, 1.02], a tie "
-                     "(docs/performance.md, 2026-11-29). Single-stream decode was faster with atom's model "
+                     "3 launches), where vLLM's Qwen3 under atom's platform measured 0.94x [0.86, 0.97] over 7 "
+                     "launches (docs/performance.md, 2026-11-29). Single-stream decode was faster with atom's model "
                      "(1.10x, with atom's attention), so latency-bound deployments may set "
                      "ATOM_ENABLE_ON_NVIDIA=Qwen3ForCausalLM",
         sglang_wrapper="Qwen3ForCausalLM", sglang_verified=_SGLANG_CPU_CI,
