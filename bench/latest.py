@@ -196,15 +196,9 @@ def _flashinfer(versions: dict) -> str:
     return f" + FlashInfer {versions['flashinfer']}" if versions.get("flashinfer") else ""
 
 
-def _configuration(rec: dict) -> tuple:
-    """What a record's sides ran: (name, model class, attention impls) each. A side's name alone
-    does not say it (``atom`` ran atom's attention before 2026-11-28h and vLLM's on NVIDIA after),
-    so records pool only where every side ran the same classes."""
-    return tuple((n, s["facts"].get("model_class"), tuple(s["facts"].get("attention_impls") or ()))
-                 for n, s in rec["sides"].items())
-
-
 def _side_configuration(rec: dict, name: str) -> tuple:
+    """What a side ran: (model class, attention impls). Its name alone does not say it (``atom`` ran
+    atom's attention before 2026-11-28h and vLLM's on NVIDIA after)."""
     facts = rec["sides"][name]["facts"]
     return facts.get("model_class"), tuple(facts.get("attention_impls") or ())
 
