@@ -262,7 +262,8 @@ def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dic
                             verdict=cell_verdict(point, low, high, side["launches"]))
             sides[n] = side
         cells.append({
-            "model": label, "cell": cell, "reference": ref, "gpu": gpu, "versions": versions,
+            "model": label, "cell": cell, "conc": members[0][0]["conc"], "reference": ref, "gpu": gpu,
+            "versions": versions,
             "dates": sorted(rec["date"] for rec, _ in members),
             "launches_per_side": sides[ref]["launches"],
             "window_s_min": min(rec["window_s"] for rec, _ in members),
@@ -359,8 +360,9 @@ WHY = {
 }
 
 
-def _concurrency(cell: str) -> int:
-    return int(cell.split("@", 1)[1].split(" ", 1)[0])
+def _ran(side: dict) -> str:
+    """``model class / attention impls`` of a side, short names."""
+    return f"{(side['model_class'] or '?').rsplit('.', 1)[-1]} / {', '.join(side['attention_impls'] or [])}"
 
 
 def targets(latest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -371,35 +373,34 @@ def targets(latest: dict[str, Any]) -> list[dict[str, Any]]:
     for tid, issue, family, fp8, kind, bound, wording in TARGETS:
         evidence = []
         for c in latest["cells"]:
-            word = c["model"].split("-", 1)[0]
             atom, ref = c["sides"].get("atom"), c["sides"][c["reference"]]
-            if (FAMILIES.get(word) != family or ("-fp8" in c["model"]) != fp8 or atom is None
-                    or c["reference"] != "stock"):
+            if (FAMILIES.get(c["model"].split("-", 1)[0]) != family or ("-fp8" in c["model"]) != fp8
+                    or atom is None or c["reference"] != "stock"):
                 continue
-            conc = _concurrency(c["cell"])
-            if kind == "memory":
+            if kind == "memory":  # one line per model: the engines of its cells loaded the same weights
                 if "weight_gib" in atom and "weight_gib" in ref and c["model"] not in {e["model"] for e in evidence}:
-                    value = atom["weight_gib"] / ref["weight_gib"]
-                    evidence.append({"model": c["model"], "cell": "", "value": round(value, 4),
-                                     "text": f"{atom['weight_gib']:.2f} / {ref['weight_gib']:.2f} GiB = {value:.3f}x",
-                                     "deciding": True, "meets": value <= bound})
+                    ratio = atom["weight_gib"] / ref["weight_gib"]
+                    evidence.append({"model": c["model"], "atom_gib": atom["weight_gib"], "stock_gib": ref["weight_gib"],
+                                     "deciding": True, "meets": ratio <= bound})
                 continue
-            if (kind == "batch1" and conc != 1) or (kind == "throughput" and not 32 <= conc <= 256):
+            if (kind == "batch1" and c["conc"] != 1) or (kind == "throughput" and not 32 <= c["conc"] <= 256):
                 continue
-            launches = atom.get("launches", c["launches_per_side"])
-            deciding = launches >= MIN_LAUNCHES
-            ran = f"{(atom['model_class'] or '?').rsplit('.', 1)[-1]} / {', '.join(atom['attention_impls'] or [])}"
-            evidence.append({
-                "model": c["model"], "cell": c["cell"], "value": atom["ratio_ci_low"], "deciding": deciding,
-                "meets": atom["ratio_ci_low"] >= bound,
-                "text": (f"{atom['ratio']:.2f}x [{atom['ratio_ci_low']:.2f}, {atom['ratio_ci_high']:.2f}], "
-                         f"{launches} launch{'es' if launches > 1 else ''}, {ran}, "
-                         f"{max(c['dates'])[:10]}")})
+            evidence.append({"model": c["model"], "cell": c["cell"], "date": max(c["dates"])[:10], "ran": _ran(atom),
+                             **{k: atom[k] for k in ("ratio", "ratio_ci_low", "ratio_ci_high", "launches")},
+                             "deciding": atom["launches"] >= MIN_LAUNCHES, "meets": atom["ratio_ci_low"] >= bound})
         deciding = [e for e in evidence if e["deciding"]]
         status = ("not decided" if not deciding else "met" if all(e["meets"] for e in deciding) else "missed")
         rows.append({"id": tid, "issue": issue, "target": wording, "family": family, "fp8": fp8, "kind": kind,
                      "bound": round(bound, 4), "status": status, "evidence": evidence, "why": WHY.get(tid, "")})
     return rows
+
+
+def _evidence(e: dict) -> str:
+    if "atom_gib" in e:
+        return f"{e['model']}: {e['atom_gib']:.2f} / {e['stock_gib']:.2f} GiB = {e['atom_gib'] / e['stock_gib']:.3f}x"
+    text = (f"{e['model']} {e['cell']}: {e['ratio']:.2f}x [{e['ratio_ci_low']:.2f}, {e['ratio_ci_high']:.2f}], "
+            f"{e['launches']} launch{'es' if e['launches'] > 1 else ''}, {e['ran']}, {e['date']}")
+    return f"**{text}**" if e["deciding"] else text
 
 
 def render_targets(rows: list[dict[str, Any]]) -> str:
@@ -409,9 +410,7 @@ def render_targets(rows: list[dict[str, Any]]) -> str:
     lines = ["| issue | model | target | needs | status | cells (atom vs stock; deciding ones in bold) | why not met; notes |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = "; ".join((f"**{e['model']} {e['cell']}: {e['text']}**" if e["deciding"] and r["kind"] != "memory"
-                           else f"{e['model']}{' ' + e['cell'] if e['cell'] else ''}: {e['text']}")
-                          for e in r["evidence"]) or "none"
+        cells = "; ".join(_evidence(e) for e in r["evidence"]) or "none"
         lines.append(f"| {r['issue']} | {names[r['family']]}{' fp8' if r['fp8'] else ''} | {r['target']} "
                      f"| {need[r['kind']].format(r['bound'])} | {r['status']} | {cells} | {r['why'] or '-'} |")
     return "\n".join(lines)
@@ -426,10 +425,9 @@ def render(latest: dict[str, Any]) -> str:
         for n, s in c["sides"].items():
             vs = (f"{s['ratio']:.2f}x [{s['ratio_ci_low']:.2f}, {s['ratio_ci_high']:.2f}]" if "ratio" in s
                   else "(reference)")
-            ran = f"{(s['model_class'] or '?').rsplit('.', 1)[-1]} / {', '.join(s['attention_impls'] or [])}"
             lines.append(
                 f"| {c['model']} | {c['cell']} | {n} | {s['median_tok_s']:,.0f} | {vs} | {s.get('verdict', '-')} "
-                f"| {s['launches']} x {s['windows']} | {s['throttled_windows']} | {ran} "
+                f"| {s['launches']} x {s['windows']} | {s['throttled_windows']} | {_ran(s)} "
                 f"| {c['gpu']}, {c['versions'].get('vllm', '?')}{_flashinfer(c['versions'])} | {', '.join(d[:10] for d in sorted(set(c['dates'])))} |")
     return "\n".join(lines)
 

@@ -132,11 +132,11 @@ def test_every_target_that_is_not_met_says_why():
 
 def _cell(model, conc, ratio, low, high, launches, atom_gib=None, stock_gib=None):
     atom = {"ratio": ratio, "ratio_ci_low": low, "ratio_ci_high": high, "model_class": "x.ATOM",
-            "attention_impls": ["A"]}
+            "attention_impls": ["A"], "launches": launches}
     stock = {"model_class": "x.Stock", "attention_impls": ["F"]}
     if atom_gib:
         atom["weight_gib"], stock["weight_gib"] = atom_gib, stock_gib
-    return {"model": model, "cell": f"128/128@{conc}", "reference": "stock", "launches_per_side": launches,
+    return {"model": model, "cell": f"128/128@{conc}", "conc": conc, "reference": "stock", "launches_per_side": launches,
             "dates": ["2026-01-01T00:00"], "sides": {"stock": stock, "atom": atom}}
 
 
