@@ -71,7 +71,7 @@
 #            (a command that continues another's launches: 1, then 2 for three sides). AB_SIDES (comma list of stock, atom, old; default all):
 #            start only those sides (AB_SWITCH_SIDE's name included), e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
-#            MoE; the sides start one after another). AB_SWITCH_SIDE=NAME:KEY=VALUE,... (a comma inside a value: \\,): one more side, atom's
+#            MoE; the sides start one after another). AB_SWITCH_SIDE=NAME:KEY=VALUE,... (a comma inside a value: \,): one more side, atom's
 #            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0; several separated by ';'). AB_ARRIVALS=continuous: C requests
 #            kept in flight instead of batches of C (most steps mixed, as in online serving; bench/ab.py --arrivals),
 #            files suffixed -cont. -> $OUT/ab_<model>[-cont][_c<C>].json, .txt, .logs.txt
