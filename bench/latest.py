@@ -134,6 +134,15 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h200_2026-11-29b/ab_dense-dummy-cont-cap512_aa_launch2.json"},
     {"path": "bench/results/h200_2026-11-29b/ab_dense-dummy-cont-cap512_aa_launch3.json"},
     {"path": "bench/results/h200_2026-11-29b/ab_dense-dummy-cont-cap512_aa_launch4.json"},
+    # fp8 MoE, H200 (2026-11-29c): Qwen3-30B-A3B dims, 4 layers, 128x128 block fp8, batch arrivals; stock
+    # (vLLM's Triton fp8 MoE, FlashInfer/DeepGEMM block-fp8 linears) vs atom (its MoE model and fused fp8
+    # experts); four launches over three commands, start order rotated
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch12_c1.json"},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch3_c1.json"},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch4_c1.json"},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch12_c128.json"},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch3_c128.json"},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch4_c128.json"},
 ]
 
 
@@ -348,10 +357,14 @@ WHY = {
                             "same kernel as stock's; the 8B dims' single launches (0.86x, 0.92x) ran the older Triton "
                             "W8A8 dispatch. So atom steps aside for dense block fp8 on NVIDIA (\"H100: block-fp8 "
                             "weights stay fp8\").",
-    "moe-fp8-batch1": "Not decided: 2 launches (30B-A3B dims, 0.96x) and 1 (235B-A22B dims), ties; the full-depth fp8 "
-                      "MoE cell's cold fill does not fit one 10-minute command (bench/NOTES.md 41, 48).",
-    "moe-fp8-throughput": "Not decided: as the batch-1 row (30B-A3B dims 1.11x [0.92, 1.25] in 2 launches; 235B-A22B "
-                          "dims 0.85x in 1, its windows power-throttled).",
+    "moe-fp8-batch1": "Missed, a tie: 1.09x [0.97, 1.16] over 4 launches on the H200 (30B-A3B dims, 4 layers; "
+                      "2026-11-29c). That cell times vLLM's host work, not the kernels: the GPU drew 146-160 W of "
+                      "700 at 2.0-2.2 ms per token, where the weights stream in ~0.6 ms (bench/results/"
+                      "h200_2026-11-29c/README.md). The full-depth (48-layer) fp8 cell is the one that can show "
+                      "the expert GEMV's 1.21x (bench/NOTES.md 61-62).",
+    "moe-fp8-throughput": "Missed, a tie: 0.96x [0.85, 1.20] over 4 launches (C=128, the same cell); the GPU drew "
+                          "172-253 W of 700 and stock alone moved 21,572-25,591 tok/s between launches, so the "
+                          "cell is host-bound (README as the batch-1 row); the full-depth cell decides it.",
     "mla-fp8-batch1": "Not decided: 2 launches (1.14x [0.94, 1.23]).",
     "mla-fp8-throughput": "Not decided: 2 launches; the 3.02x is stock's instability (batches stalling up to 3.3 s, "
                           "not profiled), not claimed as a speed-up (\"H100: block-fp8 weights stay fp8\").",
