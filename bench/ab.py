@@ -22,8 +22,9 @@ side the ratio of medians to the first side (the reference) with a bootstrap 95 
 the rounds (a win only when the interval's low end is above 1.0, a loss only when its high end
 is below 1.0); greedy agreement of the first tokens with the reference on identical prompts; the
 model class and attention impls each side built, and the kernel-selection lines of its log; GPU
-clocks, power and clock-event reasons sampled every 500 ms during each window (windows with the
-software power cap or a thermal reason active are flagged).
+clocks, power, clock-event reasons, utilization and the power limit sampled every 500 ms during each
+window (windows with the software power cap or a thermal reason active are flagged; a window that drew a
+small share of the limit at full clocks kept the GPU waiting on the host).
 """
 
 from __future__ import annotations
@@ -63,37 +64,60 @@ def parse_side(text: str) -> tuple[str, dict[str, str]]:
 
 
 class Clocks:
-    """nvidia-smi samples (time, sm MHz, power W, event-reason bits, temperature) in a thread."""
+    """nvidia-smi samples (time, sm MHz, power W, event-reason bits, temperature, % of the sample
+    period a kernel ran, power limit W) in a thread. The last two say whether a window kept the GPU
+    busy: a window that draws a small share of the limit at full clocks timed the host, not kernels."""
+
+    QUERY = ("clocks.sm,power.draw,clocks_event_reasons.active,temperature.gpu,utilization.gpu,"
+             "power.limit")
 
     def __init__(self) -> None:
-        self.samples: list[tuple[float, float, float, int, float]] = []
+        self.samples: list[tuple[float, float, float, int, float, Optional[float], Optional[float]]] = []
         self._proc: Optional[subprocess.Popen] = None
 
     def start(self) -> None:
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active,temperature.gpu",
-                 "--format=csv,noheader,nounits", "-lms", "500"], stdout=subprocess.PIPE, text=True)
+                ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", "-lms", "500"],
+                stdout=subprocess.PIPE, text=True)
         except FileNotFoundError:
             return
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self._proc.stdout:
-            parts = [p.strip() for p in line.split(",")]
+            self.add(line)
+
+    def add(self, line: str, now: Optional[float] = None) -> None:
+        """One nvidia-smi line; utilization and limit may read "[N/A]" (kept as None)."""
+        parts = [p.strip() for p in line.split(",")]
+
+        def optional(i: int) -> Optional[float]:
             try:
-                self.samples.append((time.time(), float(parts[0]), float(parts[1]), int(parts[2], 16), float(parts[3])))
+                return float(parts[i])
             except (ValueError, IndexError):
-                continue
+                return None
+        try:
+            self.samples.append((time.time() if now is None else now, float(parts[0]), float(parts[1]),
+                                 int(parts[2], 16), float(parts[3]), optional(4), optional(5)))
+        except (ValueError, IndexError):
+            return
 
     def window(self, t0: float, t1: float) -> dict[str, Any]:
         s = [x for x in self.samples if t0 <= x[0] <= t1]
         if not s:
             return {"samples": 0}
         throttled = sum(1 for x in s if x[3] & THROTTLE_BITS)
-        return {"samples": len(s), "sm_mhz_median": statistics.median(x[1] for x in s),
-                "power_w_median": statistics.median(x[2] for x in s), "temp_c_max": max(x[4] for x in s),
-                "throttled_samples": throttled, "reasons": sorted({hex(x[3]) for x in s})}
+        out = {"samples": len(s), "sm_mhz_median": statistics.median(x[1] for x in s),
+               "power_w_median": statistics.median(x[2] for x in s), "temp_c_max": max(x[4] for x in s),
+               "throttled_samples": throttled, "reasons": sorted({hex(x[3]) for x in s})}
+        util = [x[5] for x in s if x[5] is not None]
+        limit = [x[6] for x in s if x[6] is not None]
+        if util:
+            out["gpu_util_median"] = statistics.median(util)
+        if limit:
+            out["power_limit_w"] = max(limit)
+        return out
 
     def stop(self) -> None:
         if self._proc is not None:
@@ -313,7 +337,7 @@ def main(argv: list[str]) -> int:
                                 else f"{res['batches']} batches")
                         print(f"[ab] launch {launch + 1} round {r + 1} C={conc} {name:<10} {res['tok_s']:9.0f} tok/s "
                               f"over {res['seconds']:5.1f} s ({unit}) sm "
-                              f"{res['clocks'].get('sm_mhz_median')} MHz throttled "
+                              f"{res['clocks'].get('sm_mhz_median')} MHz {res['clocks'].get('power_w_median')} W throttled "
                               f"{res['clocks'].get('throttled_samples')}/{res['clocks'].get('samples')}", flush=True)
         except _TimeUp:
             stopped = time_up(f"SIGTERM in launch {launch + 1}")

@@ -234,6 +234,46 @@ def _group(records: list[tuple[dict, dict]]) -> list[tuple[tuple, list[tuple[dic
     return [(key, members) for key, _, members in groups]
 
 
+#: Board power limits (W) by GPU name, for records made before bench/ab.py sampled ``power.limit``:
+#: the SXM parts these cells ran on.
+POWER_LIMIT_W = {"H100 80GB HBM3": 700.0, "H200": 700.0}
+#: Below this share of the power limit (median over a side's windows, at full clocks) the GPU waited on
+#: the host for much of each window: the cell times host work as much as kernels (docs/performance.md).
+#: For scale: a memory-bound decode that keeps the GPU busy (Qwen3-8B dims, 36 layers, batch 1) drew
+#: 70-73 % on the H200; the 4-layer fp8 MoE, whose tokens took 3.5x its weight-streaming time, 21-23 %.
+HOST_BOUND_POWER_SHARE = 0.4
+
+
+def _power(windows: list[dict[str, Any]], gpu: str) -> dict[str, Any]:
+    """A side's GPU power over its windows: the median of the windows' medians (W), its share of the
+    limit (sampled, else :data:`POWER_LIMIT_W` by name) and the median utilization where sampled."""
+    watts = [w["power_w_median"] for w in windows if w.get("power_w_median") is not None]
+    if not watts:
+        return {}
+    out: dict[str, Any] = {"power_w_median": round(statistics.median(watts), 1)}
+    limits = [w["power_limit_w"] for w in windows if w.get("power_limit_w")]
+    limit = max(limits) if limits else next((v for k, v in POWER_LIMIT_W.items() if k in gpu), None)
+    if limit:
+        out["power_of_limit"] = round(out["power_w_median"] / limit, 3)
+    util = [w["gpu_util_median"] for w in windows if w.get("gpu_util_median") is not None]
+    if util:
+        out["gpu_util_median"] = statistics.median(util)
+    return out
+
+
+def _host_bound(side: dict[str, Any]) -> bool:
+    return side.get("power_of_limit", 1.0) < HOST_BOUND_POWER_SHARE
+
+
+def _power_cell(s: dict[str, Any]) -> str:
+    if "power_w_median" not in s:
+        return "-"
+    text = f"{s['power_w_median']:,.0f} W"
+    if "power_of_limit" in s:
+        text += f" ({s['power_of_limit']:.0%}){' host-bound' if _host_bound(s) else ''}"
+    return text
+
+
 def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dict[str, Any]:
     """latest.json's content from the records (pooled per cell: :func:`_group`). Each side's ratio is
     taken against the reference's windows of the records that side ran in (its interleaved partner
@@ -261,6 +301,7 @@ def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dic
                 "kernel_log_lines": sorted({k for rec in runs for k in rec["sides"][n]["kernel_log_lines"]}),
                 "throttled_windows": sum(rec["sides"][n]["throttled_windows"] for rec in runs),
             }
+            side.update(_power([w for rec in runs for w in rec["sides"][n].get("clocks") or []], gpu))
             gib = [rec["sides"][n]["facts"].get("weight_gib") for rec in runs]
             if any(g is not None for g in gib):  # vLLM's "Model loading took X GiB" (records since 2026-11-24e)
                 side["weight_gib"] = [g for g in gib if g is not None][-1]
@@ -400,7 +441,8 @@ def targets(latest: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             evidence.append({"model": c["model"], "cell": c["cell"], "date": max(c["dates"])[:10], "ran": _ran(atom),
                              **{k: atom[k] for k in ("ratio", "ratio_ci_low", "ratio_ci_high", "launches")},
-                             "deciding": atom["launches"] >= MIN_LAUNCHES, "meets": atom["ratio_ci_low"] >= bound})
+                             "deciding": atom["launches"] >= MIN_LAUNCHES, "meets": atom["ratio_ci_low"] >= bound,
+                             "host_bound": _host_bound(atom) or _host_bound(ref)})
         deciding = [e for e in evidence if e["deciding"]]
         status = ("not decided" if not deciding else "met" if all(e["meets"] for e in deciding) else "missed")
         rows.append({"id": tid, "issue": issue, "target": wording, "family": family, "fp8": fp8, "kind": kind,
@@ -412,7 +454,8 @@ def _evidence(e: dict) -> str:
     if "atom_gib" in e:
         return f"{e['model']}: {e['atom_gib']:.2f} / {e['stock_gib']:.2f} GiB = {e['atom_gib'] / e['stock_gib']:.3f}x"
     text = (f"{e['model']} {e['cell']}: {e['ratio']:.2f}x [{e['ratio_ci_low']:.2f}, {e['ratio_ci_high']:.2f}], "
-            f"{e['launches']} launch{'es' if e['launches'] > 1 else ''}, {e['ran']}, {e['date']}")
+            f"{e['launches']} launch{'es' if e['launches'] > 1 else ''}, {e['ran']}, {e['date']}"
+            f"{', host-bound' if e.get('host_bound') else ''}")
     return f"**{text}**" if e["deciding"] else text
 
 
@@ -432,15 +475,15 @@ def render_targets(rows: list[dict[str, Any]]) -> str:
 def render(latest: dict[str, Any]) -> str:
     """The markdown table for docs/performance.md (between BEGIN and END)."""
     lines = ["| model | cell IN/OUT@C | side | tok/s (median) | vs reference [95% CI] | verdict | launches x windows "
-             "| throttled windows | model class / attention | GPU, vLLM | dates |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| throttled windows | GPU power (of limit) | model class / attention | GPU, vLLM | dates |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in latest["cells"]:
         for n, s in c["sides"].items():
             vs = (f"{s['ratio']:.2f}x [{s['ratio_ci_low']:.2f}, {s['ratio_ci_high']:.2f}]" if "ratio" in s
                   else "(reference)")
             lines.append(
                 f"| {c['model']} | {c['cell']} | {n} | {s['median_tok_s']:,.0f} | {vs} | {s.get('verdict', '-')} "
-                f"| {s['launches']} x {s['windows']} | {s['throttled_windows']} | {_ran(s)} "
+                f"| {s['launches']} x {s['windows']} | {s['throttled_windows']} | {_power_cell(s)} | {_ran(s)} "
                 f"| {c['gpu']}, {c['versions'].get('vllm', '?')}{_flashinfer(c['versions'])} | {', '.join(d[:10] for d in sorted(set(c['dates'])))} |")
     return "\n".join(lines)
 

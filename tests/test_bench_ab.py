@@ -231,3 +231,21 @@ def test_a_time_limit_keeps_the_windows_measured_so_far(tiny_model, tmp_path):
     assert 1 <= len(stock["tok_s"]) <= 2 and 1 <= len(atom["tok_s"]) <= 2
     assert len(stock["tok_s"]) + len(atom["tok_s"]) >= 3
     assert atom["ratio_ci_low"] <= atom["ratio"] <= atom["ratio_ci_high"]
+
+
+def test_clocks_keep_utilization_and_power_limit_per_window():
+    """nvidia-smi's lines (clocks, power, reasons, temperature, utilization, limit): a window's medians,
+    its limit, and "[N/A]" fields left out rather than failing the sample."""
+    clocks = ab.Clocks()
+    assert "utilization.gpu" in ab.Clocks.QUERY and "power.limit" in ab.Clocks.QUERY
+    for t, line in enumerate(["1980, 150.5, 0x0, 50, 20, 700.00", "1980, 170.5, 0x4, 51, 40, 700.00",
+                              "1965, 160.0, 0x0, 52, 30, 700.00", "1980, 600.0, 0x0, 60, 99, 700.00"]):
+        clocks.add(line, now=float(t))
+    w = clocks.window(0.0, 2.0)
+    assert (w["samples"], w["power_w_median"], w["gpu_util_median"], w["power_limit_w"]) == (3, 160.0, 30.0, 700.0)
+    assert w["throttled_samples"] == 1 and w["sm_mhz_median"] == 1980.0
+    na = ab.Clocks()
+    na.add("1980, 150.5, 0x0, 50, [N/A], [N/A]", now=0.0)
+    na.add("garbage", now=0.5)
+    w = na.window(0.0, 1.0)
+    assert w["samples"] == 1 and "gpu_util_median" not in w and "power_limit_w" not in w

@@ -191,3 +191,41 @@ def test_a_side_pools_across_records_whatever_third_side_ran_next_to_it(tmp_path
     assert pooled["sides"]["stock2"]["ratio"] == pytest.approx(1.0) and pooled["sides"]["stock2"]["launches"] == 1
     assert other["sides"]["atom"]["model_class"] == "c.Other" and other["sources"] == ["c.json"]
     assert "| m | 8/8@2 | old | 50 | 0.51x [" in latest.render(out) and "| 1 x 2 |" in latest.render(out)
+
+
+def test_a_side_reports_its_gpu_power_and_a_low_share_says_host_bound(tmp_path):
+    """The median of the windows' power, its share of the sampled limit (or the GPU's known one for
+    older records), and "host-bound" below latest.HOST_BOUND_POWER_SHARE of it."""
+    def clocks(watts, limit=None):
+        return [{"samples": 40, "power_w_median": w, **({"power_limit_w": limit} if limit else {})} for w in watts]
+    rec = _record([100, 101, 99], [110, 111, 112], "2026-01-01")
+    rec["sides"]["stock"]["clocks"] = clocks([140.0, 160.0, 150.0])      # no limit sampled: H200's 700 W
+    rec["sides"]["atom"]["clocks"] = clocks([300.0, 290.0, 310.0], 600.0) + [{"samples": 0}]
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    out = latest.build([{"path": "r.json", "assumed": {"gpu": "NVIDIA H200, 580", "versions": {"vllm": "0.26.0"}}}],
+                       root=tmp_path)
+    stock, atom = out["cells"][0]["sides"]["stock"], out["cells"][0]["sides"]["atom"]
+    assert (stock["power_w_median"], stock["power_of_limit"]) == (150.0, round(150 / 700, 3))
+    assert (atom["power_w_median"], atom["power_of_limit"]) == (300.0, 0.5)
+    table = latest.render(out)
+    assert "| 150 W (21%) host-bound |" in table and "| 300 W (50%) |" in table
+    assert latest.HOST_BOUND_POWER_SHARE == 0.4
+    # an unknown GPU and no sampled limit: the watts alone; no clocks at all: a dash
+    rec["sides"]["atom"]["clocks"] = clocks([300.0])
+    del rec["sides"]["stock"]["clocks"]
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    out = latest.build([{"path": "r.json", "assumed": {"gpu": "G", "versions": {"vllm": "0.26.0"}}}], root=tmp_path)
+    atom = out["cells"][0]["sides"]["atom"]
+    assert atom["power_w_median"] == 300.0 and "power_of_limit" not in atom
+    assert "| 300 W |" in latest.render(out) and "| 0 | - |" in latest.render(out)
+
+
+def test_target_evidence_says_when_a_side_of_its_cell_was_host_bound():
+    cell = _cell("moe-fp8-L4", 1, 1.09, 0.97, 1.16, 4)
+    cell["sides"]["stock"]["power_of_limit"] = 0.21  # either side below the share marks the cell
+    cell["sides"]["atom"]["power_of_limit"] = 0.45
+    (row,) = [r for r in latest.targets({"cells": [cell]}) if r["id"] == "moe-fp8-batch1"]
+    assert row["evidence"][0]["host_bound"] and ", host-bound**" in latest.render_targets([row])
+    cell["sides"]["stock"]["power_of_limit"] = 0.41
+    (row,) = [r for r in latest.targets({"cells": [cell]}) if r["id"] == "moe-fp8-batch1"]
+    assert not row["evidence"][0]["host_bound"] and "host-bound" not in latest.render_targets([row])
