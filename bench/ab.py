@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -213,6 +214,19 @@ def _stop(procs: dict, gpu_floor_mib: Optional[int] = None, timeout: float = 180
         time.sleep(2)
 
 
+def clear_compile_caches(sides: list[tuple[str, dict[str, str]]]) -> list[str]:
+    """Remove each side's ``VLLM_CACHE_ROOT/torch_compile_cache`` (sides without their own
+    VLLM_CACHE_ROOT are left alone: their cache may be the user's); the paths removed."""
+    removed = []
+    for _, env in sides:
+        root = env.get("VLLM_CACHE_ROOT")
+        cache = Path(root) / "torch_compile_cache" if root else None
+        if cache is not None and cache.is_dir():
+            shutil.rmtree(cache)
+            removed.append(str(cache))
+    return removed
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -231,6 +245,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--first-shift", type=int, default=0,
                    help="rotate the start order of the first launch by this many sides (a run that continues "
                         "another run's launches in a later command)")
+    p.add_argument("--fresh-compile", action="store_true",
+                   help="before each launch, remove every side's torch.compile cache (VLLM_CACHE_ROOT/"
+                        "torch_compile_cache, where vLLM also keeps Inductor's and Triton's caches and "
+                        "autotune results), so each launch compiles and autotunes anew: launches are then "
+                        "independent draws of the compile too. JIT caches of kernels that do not tune "
+                        "(DeepGEMM, FlashInfer) stay")
     p.add_argument("--gpu-util", type=float, default=0.28)
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--vocab", type=int, default=32000)
@@ -278,6 +298,7 @@ def main(argv: list[str]) -> int:
                 continue
             record = _record(args, sides, order, conc, results[conc], facts, all_logs, warm[conc])
             record["start_orders"] = start_orders
+            record["fresh_compile"] = bool(args.fresh_compile)
             if partial:
                 record["partial"] = partial
             if args.json:
@@ -305,6 +326,8 @@ def main(argv: list[str]) -> int:
         # the interleaved rounds; the sides start in turn, the first one rotating from launch to launch
         gpu_floor = _gpu_used_mib()
         procs: dict = {}
+        if args.fresh_compile:
+            print(f"[ab] launch {launch + 1}: compile caches removed: {clear_compile_caches(sides)}", flush=True)
         shift = (launch + args.first_shift) % len(sides)
         try:
             procs, facts, logs = _start(sides[shift:] + sides[:shift], spec, logdir,

@@ -74,7 +74,9 @@
 #            MoE; the sides start one after another). AB_FILL_PARALLEL=1 with AB_ROUNDS=0: each side's fill in its own
 #            bench/ab.py, a side starting once the one before has sized its KV cache ("GPU KV cache size" in its log,
 #            or it ended; at most AB_FILL_WAIT s, default 420), so their JIT warm-ups overlap and one command fills
-#            both sides of a full-depth fp8 cell -> $OUT/ab_<model>.<side>.{startup.json,txt}. AB_SWITCH_SIDE=NAME:KEY=VALUE,... (a comma inside a value: \,): one more side, atom's
+#            both sides of a full-depth fp8 cell -> $OUT/ab_<model>.<side>.{startup.json,txt}. AB_FRESH_COMPILE=1:
+#            every side's torch.compile cache removed before each launch (bench/ab.py --fresh-compile: each launch
+#            compiles and autotunes anew, an independent draw; DeepGEMM / FlashInfer JIT caches stay). AB_SWITCH_SIDE=NAME:KEY=VALUE,... (a comma inside a value: \,): one more side, atom's
 #            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0; several separated by ';'). AB_ARRIVALS=continuous: C requests
 #            kept in flight instead of batches of C (most steps mixed, as in online serving; bench/ab.py --arrivals),
 #            files suffixed -cont. -> $OUT/ab_<model>[-cont][_c<C>].json, .txt, .logs.txt
@@ -270,6 +272,7 @@ for step in "$@"; do
                     --arrivals "$arrivals" \
                     --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" --first-shift "${AB_FIRST_SHIFT:-0}" \
                     --window "${AB_WINDOW:-15}" --warmup "${AB_WARMUP:-5}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "$logdir" \
+                    $([ "${AB_FRESH_COMPILE:-0}" = 1 ] && echo --fresh-compile) \
                     --engine "$engine" \
                     --json "$json"
             }

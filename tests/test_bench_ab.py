@@ -92,6 +92,7 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     assert record["launches_per_side"] == 2 and len(atom["facts"]["ready_s_per_launch"]) == 2
     # no side is always the first engine on the GPU: the start order rotates from launch to launch
     assert record["start_orders"] == [["stock", "atom"], ["atom", "stock"]]
+    assert record["fresh_compile"] is False
     assert [c.get("samples") is not None for c in atom["clocks"]] == [True, True]
     assert (tmp_path / "logs" / "atom.launch2.log").read_text().count("Initializing a V1 LLM engine") == 1
     assert stock["facts"]["model_class"].endswith("qwen3.Qwen3ForCausalLM")
@@ -249,3 +250,56 @@ def test_clocks_keep_utilization_and_power_limit_per_window():
     na.add("garbage", now=0.5)
     w = na.window(0.0, 1.0)
     assert w["samples"] == 1 and "gpu_util_median" not in w and "power_limit_w" not in w
+
+
+def test_fresh_compile_removes_each_sides_own_compile_cache_only(tmp_path):
+    """--fresh-compile: before a launch, VLLM_CACHE_ROOT/torch_compile_cache of every side that has
+    its own root goes (Inductor's and Triton's caches and autotune results live under it); the
+    root's other JIT caches stay, and a side without VLLM_CACHE_ROOT is not touched."""
+    a, b = tmp_path / "vcache-stock", tmp_path / "vcache-atom"
+    for root in (a, b):
+        (root / "torch_compile_cache" / "5db8341dea" / "inductor_cache").mkdir(parents=True)
+        (root / "deep_gemm").mkdir()
+    (tmp_path / "user" / "torch_compile_cache").mkdir(parents=True)
+    sides = [("stock", {"VLLM_CACHE_ROOT": str(a)}), ("atom", {"VLLM_CACHE_ROOT": str(b), "X": "1"}),
+             ("plain", {}), ("fresh", {"VLLM_CACHE_ROOT": str(tmp_path / "none")})]
+    removed = ab.clear_compile_caches(sides)
+    assert removed == [str(a / "torch_compile_cache"), str(b / "torch_compile_cache")]
+    assert not (a / "torch_compile_cache").exists() and not (b / "torch_compile_cache").exists()
+    assert (a / "deep_gemm").is_dir() and (b / "deep_gemm").is_dir()
+    assert (tmp_path / "user" / "torch_compile_cache").is_dir()
+    assert ab.clear_compile_caches(sides) == []
+
+
+def test_fresh_compile_clears_before_every_launch_and_the_record_says_so(tmp_path, monkeypatch):
+    """ab.main with the engines stubbed: with --fresh-compile each launch starts with no compile cache
+    (the stub engine makes one, as vLLM would); without it the second launch finds the first's."""
+    roots = {n: tmp_path / f"vcache-{n}" for n in ("stock", "atom")}
+    seen = []
+
+    def start(sides, spec, logdir, suffix, procs=None):
+        seen.append({n: (r / "torch_compile_cache").exists() for n, r in roots.items()})
+        for r in roots.values():
+            (r / "torch_compile_cache" / "h").mkdir(parents=True, exist_ok=True)
+        logs = {n: logdir / f"{n}{suffix}.log" for n, _ in sides}
+        for log in logs.values():
+            log.write_text("")
+        return {n: None for n, _ in sides}, {n: {"model_class": "m.M", "attention_impls": ["A"], "ready_s": 1.0}
+                                          for n, _ in sides}, logs
+
+    monkeypatch.setattr(ab, "_start", start)
+    monkeypatch.setattr(ab, "_stop", lambda *a, **k: None)
+    monkeypatch.setattr(ab, "_gpu_used_mib", lambda: None)
+    monkeypatch.setattr(ab, "gpu_name", lambda: "G")
+    monkeypatch.setattr(ab, "_window", lambda proc, log, seed, seconds, conc: {
+        "tok_s": 100.0, "seconds": seconds, "batches": 1, "first": [[1]]})
+    args = ["--model", "/m", "--side", f"stock:VLLM_CACHE_ROOT={roots['stock']}",
+            "--side", f"atom:VLLM_CACHE_ROOT={roots['atom']}", "--rounds", "1", "--launches", "2",
+            "--window", "0.01", "--warmup", "0", "--logdir", str(tmp_path / "logs")]
+    assert ab.main(args + ["--fresh-compile", "--json", str(tmp_path / "fresh.json")]) == 0
+    assert seen == [{"stock": False, "atom": False}] * 2
+    assert json.loads((tmp_path / "fresh.json").read_text())["fresh_compile"] is True
+    seen.clear()
+    assert ab.main(args + ["--json", str(tmp_path / "kept.json")]) == 0
+    assert seen == [{"stock": True, "atom": True}] * 2
+    assert json.loads((tmp_path / "kept.json").read_text())["fresh_compile"] is False

@@ -298,3 +298,11 @@ def test_parallel_fill_starts_each_side_once_the_one_before_sized_its_kv_cache(t
     calls, _ = _run_step(tmp_path, "ab", AB_ROUNDS="0", AB_SIDES="stock,atom")
     ab = _script_calls(calls, "bench/ab.py")
     assert len(ab) == 1 and ab[0]["argv"].count("--side") == 2
+
+
+def test_fresh_compile_reaches_ab_py_only_when_asked(tmp_path):
+    calls, _ = _run_step(tmp_path, "ab", AB_FRESH_COMPILE="1")
+    assert "--fresh-compile" in _script_calls(calls, "bench/ab.py")[0]["argv"]
+    for value in ("0", None):
+        calls, _ = _run_step(tmp_path, "ab", **({"AB_FRESH_COMPILE": value} if value else {}))
+        assert "--fresh-compile" not in _script_calls(calls, "bench/ab.py")[0]["argv"]
