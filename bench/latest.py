@@ -378,10 +378,14 @@ WHY = {
                     "stock's; fewer, larger launches would be needed (\"Full depth, atom vs stock\"). The cell ran "
                     "atom's model, which on NVIDIA now serves dense Qwen3 only with "
                     "ATOM_ENABLE_ON_NVIDIA=Qwen3ForCausalLM.",
-    "moe-throughput": "Not yet explained by a profile: the kernel tables put atom's experts at ~1.02x vLLM's time at "
-                      "these sizes, which would give the measured ~1.03x; the C=128 profile (bench/NOTES.md 36) has "
-                      "not run. The cells ran atom's attention; today's NVIDIA default (atom's MoE model on vLLM's "
-                      "FlashAttention) is not measured here.",
+    "moe-throughput": "Explained by the MoE cell's kernel profile at C=256 (128/128, H100, 16 of 48 layers; \"Where "
+                      "the time goes\"): the experts are 76-78 % of kernel time on both sides and atom's fused MoE "
+                      "took 1.02x the time of vLLM's tuned fused_moe_kernel (1,010 vs 986 ms); only atom's attention "
+                      "(0.72x) brought the total to 0.99x, and on NVIDIA atom now runs vLLM's FlashAttention. Decode "
+                      "steps at C <= 256 route <= 16 tokens to an expert, which the later tile-edge change does not "
+                      "touch, so atom's step is ~1.00-1.02x stock's kernel time, as the full-depth C=128 cell measured "
+                      "(1.03x): 1.05x would need an expert kernel >= 7 % faster than vLLM's at these sizes, which no "
+                      "tile sweep found (lever 3).",
     "moe-batch1": "Met with atom's attention (before its MHA backend stepped aside on NVIDIA, 2026-11-28h); today's "
                   "default (atom's MoE model on vLLM's FlashAttention) is not re-measured.",
     "mla-throughput": "A tie: atom's decode runs vLLM's FlashMLA (0.86-0.98x of FlashMLA's own time with the q_pe "
