@@ -288,6 +288,8 @@ for step in "$@"; do
                         done
                     fi
                     left=$(( ${AB_TIMEOUT:-560} - ($(date +%s) - t_ab) ))
+                    # (timeout 0 would mean none)
+                    [ "$left" -lt 30 ] && { echo "[fill] $n not started: ${left} s left"; continue; }
                     echo "[fill] $n starts, ${left} s left"
                     ab_py "$left" "/tmp/ab-logs-$m/$n" "$OUT/ab_$m.$n.json" --side "${sides[i]}" > "$OUT/ab_$m.$n.txt" 2>&1 &
                     pids+=($!); prev="$n"

@@ -295,6 +295,10 @@ def test_parallel_fill_starts_each_side_once_the_one_before_sized_its_kv_cache(t
     assert "[fill] stock starts, 500 s left" in out and "[fill] atom starts" in out
     left = int(re.search(r"\[fill\] atom starts, (\d+) s left", out).group(1))
     assert 480 <= left <= 499
+    # no time left for the next side: it is not started (``timeout 0`` would run it unbounded)
+    calls, out = _run_step(tmp_path, "ab", AB_ROUNDS="0", AB_FILL_PARALLEL="1", AB_SIDES="stock,atom",
+                           AB_TIMEOUT="33", STUB_AB_SECONDS="6", STUB_EVENTS=str(events))
+    assert len(_script_calls(calls, "bench/ab.py")) == 1 and "[fill] atom not started" in out
     calls, _ = _run_step(tmp_path, "ab", AB_ROUNDS="0", AB_SIDES="stock,atom")
     ab = _script_calls(calls, "bench/ab.py")
     assert len(ab) == 1 and ab[0]["argv"].count("--side") == 2
