@@ -240,7 +240,7 @@ POWER_LIMIT_W = {"H100 80GB HBM3": 700.0, "H200": 700.0}
 #: Below this share of the power limit (median over a side's windows, at full clocks) the GPU waited on
 #: the host for much of each window: the cell times host work as much as kernels (docs/performance.md).
 #: For scale: a memory-bound decode that keeps the GPU busy (Qwen3-8B dims, 36 layers, batch 1) drew
-#: 70-73 % on the H200; the 4-layer fp8 MoE, whose tokens took 3.5x its weight-streaming time, 21-23 %.
+#: 70-73 % on the H200; the 4-layer fp8 MoE at batch 1, whose 2-ms tokens read under 0.1 ms of weights, 21-23 %.
 HOST_BOUND_POWER_SHARE = 0.4
 
 
@@ -404,7 +404,7 @@ WHY = {
                             "weights stay fp8\").",
     "moe-fp8-batch1": "Missed, a tie: 1.09x [0.97, 1.16] over 4 launches on the H200 (30B-A3B dims, 4 layers; "
                       "2026-11-29c). That cell times vLLM's host work, not the kernels: the GPU drew 146-160 W of "
-                      "700 at 2.0-2.2 ms per token, where the weights stream in ~0.6 ms (bench/results/"
+                      "700 at 2.0-2.2 ms per token, where the weights a token reads stream in under 0.1 ms (bench/results/"
                       "h200_2026-11-29c/README.md). The full-depth (48-layer) fp8 cell is the one that can show "
                       "the expert GEMV's 1.21x (bench/NOTES.md 61-62).",
     "moe-fp8-throughput": "Missed, a tie: 0.96x [0.85, 1.20] over 4 launches (C=128, the same cell); the GPU drew "
