@@ -251,6 +251,9 @@ def main(argv: list[str]) -> int:
                         "autotune results), so each launch compiles and autotunes anew: launches are then "
                         "independent draws of the compile too. JIT caches of kernels that do not tune "
                         "(DeepGEMM, FlashInfer) stay")
+    p.add_argument("--overlap-starts", action="store_true",
+                   help="with --rounds 0: start each side once the one before has sized its KV cache, so "
+                        "their cold starts overlap (a cache fill of two slow-starting sides in one command)")
     p.add_argument("--gpu-util", type=float, default=0.28)
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--vocab", type=int, default=32000)
@@ -273,7 +276,7 @@ def main(argv: list[str]) -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     order = [name for name, _ in sides]
     if args.rounds == 0:  # start-up only: fills the JIT / compile caches for a later run
-        procs, facts, logs = _start(sides, spec, logdir, "")
+        procs, facts, logs = _start(sides, spec, logdir, "", overlap=args.overlap_starts)
         _stop(procs)
         if args.json:
             Path(args.json).with_suffix(".startup.json").write_text(json.dumps(
@@ -378,34 +381,53 @@ class _TimeUp(Exception):
     """SIGTERM (the command's time limit) arrived."""
 
 
+#: The engine process each side runs (a module attribute: tests swap in a stand-in).
+WORKER = HERE / "ab_worker.py"
+#: vLLM's log line once an engine has sized its KV cache from its own memory profile.
+KV_SIZED = "GPU KV cache size"
+
+
 def _start(sides: list, spec: dict, logdir: Path, suffix: str,
-           procs: Optional[dict] = None) -> tuple[dict, dict, dict]:
+           procs: Optional[dict] = None, overlap: bool = False) -> tuple[dict, dict, dict]:
     """Start every side's engine, one after another (vLLM sizes its KV cache from a memory
     profile of its own start-up, which another engine starting on the same GPU at the same time
-    corrupts: "No available memory for the cache blocks"). Returns (processes, facts, log paths);
-    ``procs``, when given, is filled as the sides start (the caller can stop a partial start)."""
+    corrupts: "No available memory for the cache blocks"). ``overlap``: start the next side as soon
+    as the one before has logged :data:`KV_SIZED` (its JIT warm-ups and graph capture then overlap
+    the next start; a cold fill of two full-depth fp8 sides fits one command), and read the READY
+    lines after all have started (a later side's ``ready_s`` may then include waiting for an earlier
+    one). Returns (processes, facts, log paths); ``procs``, when given, is filled as the sides start
+    (the caller can stop a partial start)."""
     procs = {} if procs is None else procs
-    facts, logs = {}, {}
+    facts, logs, t_side = {}, {}, {}
     t_start = time.time()
+
+    def ready(name: str) -> None:
+        for line in procs[name].stdout:
+            if line.startswith("READY "):
+                facts[name] = json.loads(line[6:])
+                facts[name]["ready_s"] = round(time.time() - t_side[name], 1)
+                facts[name]["weight_gib"] = weight_gib(logs[name].read_text())
+                return
+        for other in procs.values():  # no engine left holding the GPU
+            other.kill()
+        raise SystemExit(f"side {name} died while starting: {logs[name].read_text()[-3000:]}")
+
     for name, env in sides:
         logs[name] = logdir / f"{name}{suffix}.log"
-        t_side = time.time()
-        procs[name] = proc = subprocess.Popen([sys.executable, str(HERE / "ab_worker.py"), json.dumps(spec)],
+        t_side[name] = time.time()
+        procs[name] = proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)],
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                               start_new_session=True,  # its process group: _stop
                                               stderr=logs[name].open("w"),
                                               # vLLM's log (kernel choices, weight memory) into the side's log file
                                               env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **env})
-        for line in proc.stdout:
-            if line.startswith("READY "):
-                facts[name] = json.loads(line[6:])
-                facts[name]["ready_s"] = round(time.time() - t_side, 1)
-                facts[name]["weight_gib"] = weight_gib(logs[name].read_text())
-                break
-        else:
-            for other in procs.values():  # no engine left holding the GPU
-                other.kill()
-            raise SystemExit(f"side {name} died while starting: {logs[name].read_text()[-3000:]}")
+        if not overlap:
+            ready(name)
+            continue
+        while proc.poll() is None and KV_SIZED not in logs[name].read_text():
+            time.sleep(1)
+    for name in procs if overlap else ():
+        ready(name)
     print(f"[ab] {len(sides)} sides ready after {time.time() - t_start:.0f} s: {facts}", flush=True)
     return procs, facts, logs
 

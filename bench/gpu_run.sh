@@ -71,10 +71,9 @@
 #            (a command that continues another's launches: 1, then 2 for three sides). AB_SIDES (comma list of stock, atom, old; default all):
 #            start only those sides (AB_SWITCH_SIDE's name included), e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
-#            MoE; the sides start one after another). AB_FILL_PARALLEL=1 with AB_ROUNDS=0: each side's fill in its own
-#            bench/ab.py, a side starting once the one before has sized its KV cache ("GPU KV cache size" in its log,
-#            or it ended; at most AB_FILL_WAIT s, default 420), so their JIT warm-ups overlap and one command fills
-#            both sides of a full-depth fp8 cell -> $OUT/ab_<model>.<side>.{startup.json,txt}. AB_FRESH_COMPILE=1:
+#            MoE; the sides start one after another). AB_FILL_PARALLEL=1 with AB_ROUNDS=0 (bench/ab.py
+#            --overlap-starts): a side starts once the one before has sized its KV cache, so their JIT warm-ups
+#            overlap and one command fills both sides of a full-depth fp8 cell. AB_FRESH_COMPILE=1:
 #            every side's torch.compile cache removed before each launch (bench/ab.py --fresh-compile: each launch
 #            compiles and autotunes anew, an independent draw; DeepGEMM / FlashInfer JIT caches stay). AB_SWITCH_SIDE=NAME:KEY=VALUE,... (a comma inside a value: \,): one more side, atom's
 #            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0; several separated by ';'). AB_ARRIVALS=continuous: C requests
@@ -265,46 +264,19 @@ for step in "$@"; do
             fi
             arrivals="${AB_ARRIVALS:-batch}"; m_label="$m"; [ "$arrivals" = continuous ] && m="$m-cont"
             rm -rf "/tmp/ab-logs-$m"  # this command's launches only
-            t_ab=$(date +%s)
-            ab_py() {  # ab_py SECONDS LOGDIR JSON SIDE-ARGS...: bench/ab.py on this cell
-                local secs=$1 logdir=$2 json=$3; shift 3
-                timeout "$secs" python3 bench/ab.py --model "$d" --label "$m_label-L$l" "$@" \
-                    --arrivals "$arrivals" \
-                    --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" --first-shift "${AB_FIRST_SHIFT:-0}" \
-                    --window "${AB_WINDOW:-15}" --warmup "${AB_WARMUP:-5}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "$logdir" \
-                    $([ "${AB_FRESH_COMPILE:-0}" = 1 ] && echo --fresh-compile) \
-                    --engine "$engine" \
-                    --json "$json"
-            }
-            if [ "${AB_ROUNDS:-5}" = 0 ] && [ "${AB_FILL_PARALLEL:-0}" = 1 ]; then
-                pids=(); prev=""
-                for ((i = 1; i < ${#sides[@]}; i += 2)); do
-                    n="${sides[i]%%:*}"
-                    if [ -n "$prev" ]; then  # the side before has sized its KV cache (or ended)
-                        for ((w = 0; w < ${AB_FILL_WAIT:-420}; w += 5)); do
-                            grep -qs "GPU KV cache size" "/tmp/ab-logs-$m/$prev/$prev.log" && break
-                            kill -0 "${pids[-1]}" 2>/dev/null || break
-                            sleep 5
-                        done
-                    fi
-                    left=$(( ${AB_TIMEOUT:-560} - ($(date +%s) - t_ab) ))
-                    # (timeout 0 would mean none)
-                    [ "$left" -lt 30 ] && { echo "[fill] $n not started: ${left} s left"; continue; }
-                    echo "[fill] $n starts, ${left} s left"
-                    ab_py "$left" "/tmp/ab-logs-$m/$n" "$OUT/ab_$m.$n.json" --side "${sides[i]}" > "$OUT/ab_$m.$n.txt" 2>&1 &
-                    pids+=($!); prev="$n"
-                done
-                wait "${pids[@]}"
-                tail -n 3 "$OUT"/ab_"$m".*.txt
-            else
-                ab_py "${AB_TIMEOUT:-560}" "/tmp/ab-logs-$m" "$OUT/ab_$m.json" "${sides[@]}" > "$OUT/ab_$m.txt" 2>&1
-            fi
+            timeout "${AB_TIMEOUT:-560}" python3 bench/ab.py --model "$d" --label "$m_label-L$l" "${sides[@]}" \
+                --arrivals "$arrivals" \
+                --in "${AB_IN:-128}" --out "${AB_OUT:-128}" --conc "${AB_CONC:-32}" --rounds "${AB_ROUNDS:-5}" --launches "${AB_LAUNCHES:-1}" --first-shift "${AB_FIRST_SHIFT:-0}" \
+                --window "${AB_WINDOW:-15}" --warmup "${AB_WARMUP:-5}" --gpu-util "${AB_GPU_UTIL:-0.28}" --logdir "/tmp/ab-logs-$m" \
+                $([ "${AB_FRESH_COMPILE:-0}" = 1 ] && echo --fresh-compile) $([ "${AB_FILL_PARALLEL:-0}" = 1 ] && echo --overlap-starts) \
+                --engine "$engine" \
+                --json "$OUT/ab_$m.json" > "$OUT/ab_$m.txt" 2>&1
             # each side's and launch's errors, kernel choices and start-up stages, in one file (the device
             # returns at most 8 files per call: a cell's JSON each, the text, and this)
-            for f in $(ls /tmp/ab-logs-$m/*.log /tmp/ab-logs-$m/*/*.log 2>/dev/null); do echo "=== $(basename "$f")"
+            for f in /tmp/ab-logs-$m/*.log; do echo "=== $(basename "$f")"
                 grep -E "ERROR|Error|Traceback|atom\]|Selected|[Uu]sing|warmup|Model loading|took|Compil|CUDA graph|KV cache size" "$f" \
                     | tail -150; done > "$OUT/ab_$m.logs.txt"
-            if [ -f "$OUT/ab_$m.txt" ]; then tail -12 "$OUT/ab_$m.txt"; fi ;;
+            tail -12 "$OUT/ab_$m.txt" ;;
         archs) mkdir -p "$OUT/archs"; t_archs=$(date +%s); n=0
             conc="${ARCHS_CONC:-32}"; lens="${ARCHS_LENGTHS:-128/128}"; archs="${ARCHS:-llama,mixtral}"
             # max_logprobs as agreement.py's engines have it: the same compile-cache key (the cell asks no logprobs)

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests._bench import BENCH, load_bench
 from tests.conftest import REPO
 
@@ -303,3 +305,36 @@ def test_fresh_compile_clears_before_every_launch_and_the_record_says_so(tmp_pat
     assert ab.main(args + ["--json", str(tmp_path / "kept.json")]) == 0
     assert seen == [{"stock": True, "atom": True}] * 2
     assert json.loads((tmp_path / "kept.json").read_text())["fresh_compile"] is False
+
+
+WORKER_STUB = """
+import json, os, sys, time
+name = os.environ["STUB_NAME"]
+t0 = time.time()
+time.sleep(1.0)
+print("INFO GPU KV cache size: 1,000 tokens", file=sys.stderr, flush=True)
+time.sleep(2.0)
+with open(os.environ["STUB_EVENTS"], "a") as f:
+    f.write(json.dumps({"side": name, "start": t0, "ready": time.time()}) + "\\n")
+print("READY " + json.dumps({"model_class": "m.M", "attention_impls": ["A"]}), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlapped_starts_wait_for_the_kv_cache_line_of_the_side_before(tmp_path, monkeypatch, overlap):
+    """_start(overlap=True): the next side starts once the one before has logged its KV cache size and
+    before it is ready (cold starts overlap); without it, after the one before is ready."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER_STUB)
+    monkeypatch.setattr(ab, "WORKER", worker)
+    events = tmp_path / "events.jsonl"
+    sides = [(n, {"STUB_NAME": n, "STUB_EVENTS": str(events)}) for n in ("stock", "atom")]
+    procs, facts, _ = ab._start(sides, {}, tmp_path, "", overlap=overlap)
+    ab._stop(procs)
+    ev = {e["side"]: e for e in map(json.loads, events.read_text().splitlines())}
+    assert set(facts) == {"stock", "atom"} and all(f["ready_s"] > 0 for f in facts.values())
+    if overlap:
+        assert ev["stock"]["start"] + 1.0 <= ev["atom"]["start"] < ev["stock"]["ready"]
+    else:
+        assert ev["atom"]["start"] >= ev["stock"]["ready"]

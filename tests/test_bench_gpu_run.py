@@ -27,18 +27,6 @@ with open(os.environ["STUB_LOG"], "a") as f:
     f.write(json.dumps({{"argv": args, "env": {{k: v for k, v in os.environ.items() if k.startswith(keep)}}}}) + "\\n")
 if args[:1] == ["-c"] and "MODELS[" in args[1]:
     exec(args[1])
-if args[:1] == ["bench/ab.py"] and os.environ.get("STUB_AB_SECONDS"):  # an engine start: its KV line, then more
-    import pathlib, time
-    seconds, t0 = float(os.environ["STUB_AB_SECONDS"]), time.time()
-    name = args[args.index("--side") + 1].split(":")[0]
-    logdir = pathlib.Path(args[args.index("--logdir") + 1])
-    logdir.mkdir(parents=True, exist_ok=True)
-    time.sleep(seconds / 3)
-    (logdir / (name + ".log")).write_text("INFO [kv_cache_utils.py:2177] GPU KV cache size: 1,000 tokens\\n")
-    t_kv = time.time()
-    time.sleep(2 * seconds / 3)
-    with open(os.environ["STUB_EVENTS"], "a") as f:
-        f.write(json.dumps({{"side": name, "start": t0, "kv": t_kv, "end": time.time()}}) + "\\n")
 """
 
 
@@ -273,35 +261,13 @@ def test_profile_tag_and_first_shift_reach_the_scripts(tmp_path):
     assert _opt(ab["argv"], "--first-shift") == "2"
 
 
-def test_parallel_fill_starts_each_side_once_the_one_before_sized_its_kv_cache(tmp_path):
-    """AB_FILL_PARALLEL=1 AB_ROUNDS=0: one bench/ab.py per side (its own log folder and JSON), the
-    next side started after the one before logged its KV cache size and while it still runs, so the
-    two cold starts overlap; each within what is left of AB_TIMEOUT. Without the switch, one ab.py
-    starts the sides in turn."""
-    events = tmp_path / "events.jsonl"
-    calls, out = _run_step(tmp_path, "ab", AB_ROUNDS="0", AB_FILL_PARALLEL="1", AB_SIDES="stock,atom",
-                           AB_TIMEOUT="500", AB_FP8="1", AB_MODEL="moe", STUB_AB_SECONDS="6",
-                           STUB_EVENTS=str(events))
-    ab = _script_calls(calls, "bench/ab.py")
-    assert len(ab) == 2
-    for c, name in zip(ab, ["stock", "atom"]):
-        argv = c["argv"]
-        assert [argv[i + 1].split(":")[0] for i, v in enumerate(argv) if v == "--side"] == [name]
-        assert _opt(argv, "--rounds") == "0"
-        assert _opt(argv, "--logdir") == f"/tmp/ab-logs-moe-fp8/{name}"
-        assert _opt(argv, "--json") == str(tmp_path / "out" / f"ab_moe-fp8.{name}.json")
-    ev = {e["side"]: e for e in map(json.loads, events.read_text().splitlines())}
-    assert ev["stock"]["kv"] <= ev["atom"]["start"] < ev["stock"]["end"]
-    assert "[fill] stock starts, 500 s left" in out and "[fill] atom starts" in out
-    left = int(re.search(r"\[fill\] atom starts, (\d+) s left", out).group(1))
-    assert 480 <= left <= 499
-    # no time left for the next side: it is not started (``timeout 0`` would run it unbounded)
-    calls, out = _run_step(tmp_path, "ab", AB_ROUNDS="0", AB_FILL_PARALLEL="1", AB_SIDES="stock,atom",
-                           AB_TIMEOUT="33", STUB_AB_SECONDS="6", STUB_EVENTS=str(events))
-    assert len(_script_calls(calls, "bench/ab.py")) == 1 and "[fill] atom not started" in out
+def test_parallel_fill_asks_ab_py_to_overlap_the_starts(tmp_path):
+    """AB_FILL_PARALLEL=1: one bench/ab.py with --overlap-starts (the ordering is ab.py's, tested there)."""
+    calls, _ = _run_step(tmp_path, "ab", AB_ROUNDS="0", AB_FILL_PARALLEL="1", AB_SIDES="stock,atom")
+    (ab,) = _script_calls(calls, "bench/ab.py")
+    assert "--overlap-starts" in ab["argv"] and ab["argv"].count("--side") == 2
     calls, _ = _run_step(tmp_path, "ab", AB_ROUNDS="0", AB_SIDES="stock,atom")
-    ab = _script_calls(calls, "bench/ab.py")
-    assert len(ab) == 1 and ab[0]["argv"].count("--side") == 2
+    assert "--overlap-starts" not in _script_calls(calls, "bench/ab.py")[0]["argv"]
 
 
 def test_fresh_compile_reaches_ab_py_only_when_asked(tmp_path):
