@@ -252,8 +252,9 @@ def main(argv: list[str]) -> int:
                         "independent draws of the compile too. JIT caches of kernels that do not tune "
                         "(DeepGEMM, FlashInfer) stay")
     p.add_argument("--overlap-starts", action="store_true",
-                   help="with --rounds 0: start each side once the one before has sized its KV cache, so "
-                        "their cold starts overlap (a cache fill of two slow-starting sides in one command)")
+                   help="start each side once the one before has sized its KV cache, so their starts "
+                        "overlap (a cache fill of two slow-starting sides in one command with --rounds 0; "
+                        "with rounds, every launch starts so and the windows begin once all are ready)")
     p.add_argument("--gpu-util", type=float, default=0.28)
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--vocab", type=int, default=32000)
@@ -334,7 +335,8 @@ def main(argv: list[str]) -> int:
         shift = (launch + args.first_shift) % len(sides)
         try:
             procs, facts, logs = _start(sides[shift:] + sides[:shift], spec, logdir,
-                                        f".launch{launch + 1}" if args.launches > 1 else "", procs)
+                                        f".launch{launch + 1}" if args.launches > 1 else "", procs,
+                                        overlap=args.overlap_starts)
         except _TimeUp:
             stopped = time_up(f"SIGTERM while launch {launch + 1} started")
             _stop(procs, None, hurry=True)
@@ -352,12 +354,17 @@ def main(argv: list[str]) -> int:
                     res = _window(procs[name], logs[name], 999_999 + launch, args.warmup, conc)
                     warm[conc][name].append(round(res["tok_s"], 1))
             for r in range(args.rounds):
+                # the side measured first in a round rotates per round and continues across launches
+                # (and commands: --first-shift), so one round per launch does not always open with
+                # the reference
+                first = (r + launch + args.first_shift) % len(order)
                 for conc in concs:
-                    for name in order[r % len(order):] + order[: r % len(order)]:
+                    for position, name in enumerate(order[first:] + order[:first]):
                         t0 = time.time()
                         res = _window(procs[name], logs[name], 1000 * r + 100000 * launch, args.window, conc)
                         res["clocks"] = clocks.window(t0, time.time())
                         res["launch"] = launch + 1
+                        res["position"] = position  # 0: the first side measured in its round
                         results[conc][name].append(res)
                         unit = (f"{res['steps']} steps, {res['mixed_steps']} mixed" if "steps" in res
                                 else f"{res['batches']} batches")
@@ -462,6 +469,7 @@ def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[s
                 "min": min(tok), "max": max(tok), "facts": facts[name], "kernel_log_lines": kernels,
                 "throttled_windows": sum(1 for x in results[name] if x["clocks"].get("throttled_samples")),
                 "clocks": [x["clocks"] for x in results[name]],
+                "positions": [x.get("position") for x in results[name]],  # per window: its place in its round
                 "warmup_tok_s": (warm or {}).get(name, [])}  # the unmeasured windows, one per launch
         line = f"  {name:<10} median {side['median']:9.0f} tok/s [{side['min']:.0f}, {side['max']:.0f}]"
         if name != ref:

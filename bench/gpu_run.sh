@@ -71,9 +71,10 @@
 #            (a command that continues another's launches: 1, then 2 for three sides). AB_SIDES (comma list of stock, atom, old; default all):
 #            start only those sides (AB_SWITCH_SIDE's name included), e.g. AB_ROUNDS=0 AB_SIDES=stock then AB_SIDES=atom: a block-fp8 model's cold
 #            fill takes longer than one command (stock's DeepGEMM warm-up: 1068 shapes, 164 s cold on the 4-layer
-#            MoE; the sides start one after another). AB_FILL_PARALLEL=1 with AB_ROUNDS=0 (bench/ab.py
-#            --overlap-starts): a side starts once the one before has sized its KV cache, so their JIT warm-ups
-#            overlap and one command fills both sides of a full-depth fp8 cell. AB_FRESH_COMPILE=1:
+#            MoE; the sides start one after another). AB_FILL_PARALLEL=1 (bench/ab.py --overlap-starts): a side
+#            starts once the one before has sized its KV cache, so their JIT warm-ups overlap and one command
+#            fills both sides of a full-depth fp8 cell (AB_ROUNDS=0); with rounds every launch starts so, and
+#            the windows begin once all sides are ready. AB_FRESH_COMPILE=1:
 #            every side's torch.compile cache removed before each launch (bench/ab.py --fresh-compile: each launch
 #            compiles and autotunes anew, an independent draw; DeepGEMM / FlashInfer JIT caches stay). AB_SWITCH_SIDE=NAME:KEY=VALUE,... (a comma inside a value: \,): one more side, atom's
 #            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0; several separated by ';'). AB_ARRIVALS=continuous: C requests

@@ -279,7 +279,7 @@ def test_fresh_compile_clears_before_every_launch_and_the_record_says_so(tmp_pat
     roots = {n: tmp_path / f"vcache-{n}" for n in ("stock", "atom")}
     seen = []
 
-    def start(sides, spec, logdir, suffix, procs=None):
+    def start(sides, spec, logdir, suffix, procs=None, overlap=False):
         seen.append({n: (r / "torch_compile_cache").exists() for n, r in roots.items()})
         for r in roots.values():
             (r / "torch_compile_cache" / "h").mkdir(parents=True, exist_ok=True)
@@ -305,6 +305,45 @@ def test_fresh_compile_clears_before_every_launch_and_the_record_says_so(tmp_pat
     assert ab.main(args + ["--json", str(tmp_path / "kept.json")]) == 0
     assert seen == [{"stock": True, "atom": True}] * 2
     assert json.loads((tmp_path / "kept.json").read_text())["fresh_compile"] is False
+
+
+def test_launches_rotate_the_first_measured_side_and_can_overlap_their_starts(tmp_path, monkeypatch):
+    """ab.main with the engines stubbed: with one round per launch the side measured first alternates
+    from launch to launch and continues over --first-shift (it was always the reference); each window
+    records its position in the round; --overlap-starts reaches every measured launch's _start."""
+    overlaps, measured = [], []
+
+    def start(sides, spec, logdir, suffix, procs=None, overlap=False):
+        overlaps.append(overlap)
+        logs = {n: logdir / f"{n}{suffix}.log" for n, _ in sides}
+        for log in logs.values():
+            log.write_text("")
+        return ({n: n for n, _ in sides},
+                {n: {"model_class": "m.M", "attention_impls": ["A"], "ready_s": 1.0} for n, _ in sides}, logs)
+
+    def window(proc, log, seed, seconds, conc):
+        measured.append(proc)
+        return {"tok_s": 100.0, "seconds": seconds, "batches": 1, "first": [[1]]}
+
+    monkeypatch.setattr(ab, "_start", start)
+    monkeypatch.setattr(ab, "_stop", lambda *a, **k: None)
+    monkeypatch.setattr(ab, "_gpu_used_mib", lambda: None)
+    monkeypatch.setattr(ab, "gpu_name", lambda: "G")
+    monkeypatch.setattr(ab, "_window", window)
+    args = ["--model", "/m", "--side", "stock:", "--side", "atom:", "--side", "other:", "--rounds", "1",
+            "--launches", "3", "--window", "0.01", "--warmup", "0", "--logdir", str(tmp_path / "logs"),
+            "--json", str(tmp_path / "r.json")]
+    assert ab.main(args) == 0
+    assert measured == ["stock", "atom", "other", "atom", "other", "stock", "other", "stock", "atom"]
+    assert overlaps == [False] * 3
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert {n: record["sides"][n]["positions"] for n in ("stock", "atom", "other")} == {
+        "stock": [0, 2, 1], "atom": [1, 0, 2], "other": [2, 1, 0]}
+    measured.clear()
+    overlaps.clear()
+    assert ab.main(args[:-2] + ["--first-shift", "1", "--overlap-starts", "--launches", "1"]) == 0
+    assert measured == ["atom", "other", "stock"]
+    assert overlaps == [True]
 
 
 WORKER_STUB = """
