@@ -470,6 +470,9 @@ def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[s
                 "throttled_windows": sum(1 for x in results[name] if x["clocks"].get("throttled_samples")),
                 "clocks": [x["clocks"] for x in results[name]],
                 "positions": [x.get("position") for x in results[name]],  # per window: its place in its round
+                # per window (batch arrivals): the median over output positions of how many different tokens
+                # the first batch's sequences emitted there (bench/ab_worker.py distinct_per_step)
+                "distinct_tokens": [x.get("distinct_tokens_median") for x in results[name]],
                 "warmup_tok_s": (warm or {}).get(name, [])}  # the unmeasured windows, one per launch
         line = f"  {name:<10} median {side['median']:9.0f} tok/s [{side['min']:.0f}, {side['max']:.0f}]"
         if name != ref:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -124,6 +125,15 @@ def continuous_window(engine, spec: dict, conc: int, seed: int, seconds: float, 
             "requests": requests, "aborted": aborted, "first": [first.get(k, [])[:32] for k in range(min(8, conc))]}
 
 
+def distinct_per_step(token_ids: list) -> list[int]:
+    """For each output position, how many different tokens the batch's sequences emitted there. A MoE
+    decode step routes the batch's tokens; when most sequences emit the same token (a model whose greedy
+    outputs fall into one cycle, as vLLM's dummy weights can make them), the step's tokens go to few
+    experts, and the cell times hot experts rather than weight streaming: this says which."""
+    length = max((len(t) for t in token_ids), default=0)
+    return [len({t[j] for t in token_ids if len(t) > j}) for j in range(length)]
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     # apply_model ships a function to vLLM's engine process (its default multi-process engine):
@@ -162,9 +172,12 @@ def main(argv: list[str]) -> int:
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
             if first is None:
                 first = [list(o.outputs[0].token_ids[:32]) for o in outs[:8]]
+                distinct = distinct_per_step([o.outputs[0].token_ids for o in outs])
             batches += 1
         print("RESULT " + json.dumps({"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
-                                      "batches": batches, "first": first}), flush=True)
+                                      "batches": batches, "first": first,
+                                      "distinct_tokens_median": statistics.median(distinct) if distinct else None,
+                                      "distinct_tokens_min": min(distinct) if distinct else None}), flush=True)
     return 0
 
 

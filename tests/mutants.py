@@ -254,7 +254,17 @@ MUTANTS = (
            '    if kind == "mha" and not envs.ATOM_ENABLE_MHA_ON_NVIDIA:',
            ("tests/attention/test_backend.py::test_mha_steps_aside_on_nvidia_unless_asked_for",)),
     Mutant("fp8-block-step-aside-off", "atom/plugin/vllm/overrides.py",
-           "            and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):", "            and False):",
+           "    if block_fp8(model_config) and on_nvidia() and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA:",
+           "    if False:",
+           ("tests/plugin/test_runners.py::test_block_fp8_on_nvidia_steps_aside_unless_enabled",)),
+    Mutant("fp8-block-step-aside-dense-only", "atom/plugin/vllm/overrides.py",
+           "    if block_fp8(model_config) and on_nvidia() and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA:",
+           "    if (entry.wrapper == DENSE_WRAPPER and block_fp8(model_config) and on_nvidia()\n"
+           "            and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):",
+           ("tests/plugin/test_runners.py::test_block_fp8_on_nvidia_steps_aside_unless_enabled",)),
+    Mutant("fp8-block-step-aside-moe-reason", "atom/plugin/vllm/overrides.py",
+           "        why = FP8_DENSE_ON_NVIDIA if entry.wrapper == DENSE_WRAPPER else FP8_MOE_ON_NVIDIA",
+           "        why = FP8_DENSE_ON_NVIDIA",
            ("tests/plugin/test_runners.py::test_block_fp8_on_nvidia_steps_aside_unless_enabled",)),
     # producers that quantise for the fp8 GEMMs (issue #16)
     Mutant("fused-quant-norm-amax-of-unrounded", "atom/ops/fused_quant_triton.py",

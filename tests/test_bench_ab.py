@@ -70,6 +70,15 @@ def test_kernel_lines_include_atoms_host_kernel_choices():
     assert not ab.KERNEL_LINE.search("Loading weights took 1.2 seconds")
 
 
+def test_distinct_tokens_per_output_position():
+    """bench/ab_worker.py distinct_per_step: per position, the different tokens the batch emitted there
+    (sequences that ended earlier count no more); a batch in one greedy cycle shows 1 per position."""
+    ab_worker = load_bench("ab_worker")
+    assert ab_worker.distinct_per_step([[5, 7, 7], [5, 7], [6, 7, 9, 1]]) == [2, 1, 2, 1]
+    assert ab_worker.distinct_per_step([[3, 4] * 4] * 16) == [1] * 8
+    assert ab_worker.distinct_per_step([]) == []
+
+
 def test_sides_parse():
     assert ab.parse_side("stock:ATOM_DISABLE_VLLM_PLUGIN=1") == ("stock", {"ATOM_DISABLE_VLLM_PLUGIN": "1"})
     assert ab.parse_side("atom:") == ("atom", {})
@@ -95,6 +104,10 @@ def test_two_sides_take_turns_on_one_model(tiny_model, tmp_path):
     # no side is always the first engine on the GPU: the start order rotates from launch to launch
     assert record["start_orders"] == [["stock", "atom"], ["atom", "stock"]]
     assert record["fresh_compile"] is False
+    # the side measured first in a round alternates with the launch too (one round per launch)
+    assert stock["positions"] == [0, 1] and atom["positions"] == [1, 0]
+    # how many different tokens the batch emitted per position: a number per window, at most the batch
+    assert len(atom["distinct_tokens"]) == 2 and all(1 <= d <= record["conc"] for d in atom["distinct_tokens"])
     assert [c.get("samples") is not None for c in atom["clocks"]] == [True, True]
     assert (tmp_path / "logs" / "atom.launch2.log").read_text().count("Initializing a V1 LLM engine") == 1
     assert stock["facts"]["model_class"].endswith("qwen3.Qwen3ForCausalLM")

@@ -220,6 +220,31 @@ def test_a_side_reports_its_gpu_power_and_a_low_share_says_host_bound(tmp_path):
     assert "| 300 W |" in latest.render(out) and "| 0 | - |" in latest.render(out)
 
 
+def test_low_power_with_the_gpu_busy_is_latency_bound_not_host_bound(tmp_path):
+    """Where utilization.gpu was sampled: under the power share and busy >= latest.BUSY_UTILIZATION % of
+    the time is "latency-bound" (kernels ran throughout, too small to draw power); under the share and
+    idle part of the time stays "host-bound"; the column shows the utilization."""
+    def clocks(watts, util):
+        return [{"samples": 40, "power_w_median": w, "power_limit_w": 700.0, "gpu_util_median": u}
+                for w, u in zip(watts, util)]
+    rec = _record([100, 101, 99], [110, 111, 112], "2026-01-01")
+    rec["sides"]["stock"]["clocks"] = clocks([210.0, 209.0, 211.0], [100.0, 100.0, 99.0])
+    rec["sides"]["atom"]["clocks"] = clocks([150.0, 151.0, 149.0], [70.0, 75.0, 80.0])
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    out = latest.build([{"path": "r.json", "assumed": {"gpu": "NVIDIA H200, 580", "versions": {"vllm": "0.26.0"}}}],
+                       root=tmp_path)
+    table = latest.render(out)
+    assert "| 210 W (30%), busy 100% latency-bound |" in table and "| 150 W (21%), busy 75% host-bound |" in table
+    assert latest.BUSY_UTILIZATION == 90.0
+    cell = _cell("moe-fp8-L48", 1, 1.0, 0.99, 1.02, 3)
+    for side, share, util in (("stock", 0.30, 100.0), ("atom", 0.36, 100.0)):
+        cell["sides"][side].update(power_of_limit=share, gpu_util_median=util)
+    (row,) = [r for r in latest.targets({"cells": [cell]}) if r["id"] == "moe-fp8-batch1"]
+    assert row["evidence"][0]["latency_bound"] and not row["evidence"][0]["host_bound"]
+    assert ", latency-bound**" in latest.render_targets([row])
+    assert "host-bound" not in latest.render_targets([{**row, "why": ""}])  # (the WHY line may name either)
+
+
 def test_target_evidence_says_when_a_side_of_its_cell_was_host_bound():
     cell = _cell("moe-fp8-L4", 1, 1.09, 0.97, 1.16, 4)
     cell["sides"]["stock"]["power_of_limit"] = 0.21  # either side below the share marks the cell
@@ -228,4 +253,4 @@ def test_target_evidence_says_when_a_side_of_its_cell_was_host_bound():
     assert row["evidence"][0]["host_bound"] and ", host-bound**" in latest.render_targets([row])
     cell["sides"]["stock"]["power_of_limit"] = 0.41
     (row,) = [r for r in latest.targets({"cells": [cell]}) if r["id"] == "moe-fp8-batch1"]
-    assert not row["evidence"][0]["host_bound"] and "host-bound" not in latest.render_targets([row])
+    assert not row["evidence"][0]["host_bound"] and "host-bound" not in latest.render_targets([{**row, "why": ""}])

@@ -527,11 +527,15 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(fp8
 
 
 @pytest.mark.gpu
-def test_gpu_block_fp8_checkpoint_steps_aside_to_vllm_by_default(fp8_checkpoint, tmp_path):
-    """On an NVIDIA GPU a dense block-fp8 checkpoint is served by vLLM's own model (atom measured
-    slower than vLLM's DeepGEMM path there), with one line saying so; the same engine serves
-    atom's model with ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1. (MoE: atom's; the fp8 engine tests.)"""
-    path = fp8_checkpoint("qwen3_fp8_block")
+@pytest.mark.parametrize("kind, arch, why", [
+    ("qwen3_fp8_block", "Qwen3ForCausalLM", "a dense block-fp8 checkpoint on an NVIDIA GPU"),
+    ("qwen3_moe_fp8_block", "Qwen3MoeForCausalLM", "a block-fp8 MoE checkpoint on an NVIDIA GPU")])
+def test_gpu_block_fp8_checkpoint_steps_aside_to_vllm_by_default(fp8_checkpoint, tmp_path, kind, arch, why):
+    """On an NVIDIA GPU a block-fp8 checkpoint is served by vLLM's own model (atom measured no faster
+    than vLLM's DeepGEMM path there for dense layers, and its fp8 experts slower than vLLM's at 128
+    sequences), with one line saying so; the same engine serves atom's model with
+    ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1."""
+    path = fp8_checkpoint(kind)
     prompts = mixed_prompts()[:2]
     env = {**os.environ, **runner.ENGINE_ENV, "ATOM_DISABLE_VLLM_PLUGIN": "0", "VLLM_USE_DEEP_GEMM": "0"}
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
@@ -544,7 +548,7 @@ def test_gpu_block_fp8_checkpoint_steps_aside_to_vllm_by_default(fp8_checkpoint,
             timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         logs[enabled] = proc.stdout + proc.stderr
-    assert "atom steps aside for Qwen3ForCausalLM (a dense block-fp8 checkpoint on an NVIDIA GPU" in logs["0"]
+    assert f"atom steps aside for {arch} ({why}" in logs["0"]
     assert "[atom] built atom.models" not in logs["0"]
     assert "[atom] built atom.models" in logs["1"] and "steps aside" not in logs["1"]
 

@@ -65,9 +65,9 @@ def test_generation_is_still_atoms(sides):
 
 def test_block_fp8_on_nvidia_steps_aside_unless_enabled(monkeypatch):
     """The decision itself (the engine-level check is the GPU test in tests/models/test_fp8.py):
-    a 128x128 block-fp8 checkpoint of a dense architecture on an NVIDIA GPU goes to vLLM's own
-    model unless ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1; MoE architectures, per-tensor fp8 and other
-    devices stay atom's."""
+    a 128x128 block-fp8 checkpoint on an NVIDIA GPU goes to vLLM's own model unless
+    ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1, with the dense reason for a dense architecture and the MoE
+    reason (the measured 0.67x) for a MoE one; per-tensor fp8, bf16 and other devices stay atom's."""
     from types import SimpleNamespace
 
     from atom.plugin.vllm import overrides
@@ -81,18 +81,23 @@ def test_block_fp8_on_nvidia_steps_aside_unless_enabled(monkeypatch):
     monkeypatch.setattr(overrides, "on_nvidia", lambda: True)
     monkeypatch.delenv("ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", raising=False)
     refused = overrides.serves(["Qwen3ForCausalLM"], config(block))
-    assert not refused.value and "dense block-fp8 checkpoint on an NVIDIA GPU" in refused.reason
-    assert not overrides.serves(["LlamaForCausalLM"], config(block)).value
-    assert overrides.serves(["Qwen3MoeForCausalLM"], config(block)).value
-    assert overrides.serves(["DeepseekV3ForCausalLM"], config(block)).value
+    assert not refused.value and refused.reason.startswith(overrides.FP8_DENSE_ON_NVIDIA)
     assert "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1" in refused.reason
-    assert overrides.serves(["Qwen3ForCausalLM"], config(per_tensor)).value
-    assert overrides.serves(["Qwen3ForCausalLM"], config(None)).value
+    assert not overrides.serves(["LlamaForCausalLM"], config(block)).value
+    for moe in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):  # (the fp8 loaders)
+        refused = overrides.serves([moe], config(block))
+        assert not refused.value and refused.reason.startswith(overrides.FP8_MOE_ON_NVIDIA), moe
+        assert "0.67x" in refused.reason and "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1" in refused.reason
+    for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
+        assert overrides.serves([arch], config(per_tensor)).value, arch
+    assert overrides.serves(["Qwen3MoeForCausalLM"], config(None)).value
     monkeypatch.setenv("ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", "1")
     assert overrides.serves(["DeepseekV3ForCausalLM"], config(block)).value
+    assert overrides.serves(["Qwen3MoeForCausalLM"], config(block)).value
     monkeypatch.delenv("ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA")
     monkeypatch.setattr(overrides, "on_nvidia", lambda: False)
     assert overrides.serves(["Qwen3ForCausalLM"], config(block)).value
+    assert overrides.serves(["Qwen3MoeForCausalLM"], config(block)).value
 
 
 def test_unloadable_quantization_steps_aside():

@@ -9,12 +9,12 @@ a ``--convert`` adapter, or an architecture name vLLM maps onto a generative one
 ``vllm.models.resolve_model_cls`` / ``inspect_model_cls`` (group ``vllm.models``) answer with
 vLLM's own registry entries, saved here when atom overrides them, and one INFO line says so.
 
-atom also steps aside, by default, for 128x128-style block-fp8 checkpoints of dense (non-MoE)
-architectures on NVIDIA GPUs: measured on the H100 (docs/performance.md, "block-fp8 weights stay
-fp8"), atom's dense fp8 model loses to vLLM's own path (DeepGEMM) at 64 and 256 concurrent
-sequences, so vLLM's model serves them unless ``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1``. MoE
-architectures (their time is in the experts, where atom's fp8 model measured a tie), per-tensor
-fp8, CPU and ROCm are unaffected. Likewise for an architecture whose table entry says atom
+atom also steps aside, by default, for 128x128-style block-fp8 checkpoints on NVIDIA GPUs, unless
+``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1``: of dense architectures, because atom's fp8 model measured no
+faster than vLLM's own path (DeepGEMM; docs/performance.md, "block-fp8 weights stay fp8"); of MoE
+architectures, because atom's fp8 experts measured 0.67x of vLLM's output tok/s at 128 sequences
+(:data:`FP8_MOE_ON_NVIDIA`; the same expert kernels serve every MoE architecture). Per-tensor fp8,
+CPU and ROCm are unaffected. Likewise for an architecture whose table entry says atom
 measured slower than vLLM's model on NVIDIA GPUs (``ModelEntry.nvidia_aside``: the dense Qwen3), unless
 ``ATOM_ENABLE_ON_NVIDIA`` names it.
 
@@ -44,6 +44,13 @@ logger = get_logger("atom.plugin")
 
 #: The wrapper of atom's dense (non-MoE) architectures.
 DENSE_WRAPPER = "ATOMForCausalLM"
+#: Why atom steps aside for block-fp8 checkpoints of dense architectures on NVIDIA GPUs.
+FP8_DENSE_ON_NVIDIA = ("a dense block-fp8 checkpoint on an NVIDIA GPU, where atom's fp8 path measured no faster "
+                       "than vLLM's own (docs/performance.md)")
+#: Why atom steps aside for block-fp8 checkpoints of MoE architectures on NVIDIA GPUs.
+FP8_MOE_ON_NVIDIA = ("a block-fp8 MoE checkpoint on an NVIDIA GPU, where atom's fp8 experts measured 0.67x "
+                     "[0.66, 0.69] of vLLM's output tok/s at 128 sequences and a tie at one (Qwen3-30B-A3B dims, "
+                     "48 layers, H200, 3 launches; docs/performance.md)")
 #: arch -> vLLM's own registry entry, saved when atom overrides the arch (this process).
 STOCK: dict[str, Any] = {}
 
@@ -71,11 +78,9 @@ def serves(architectures: Any, model_config: Any) -> Decision:
     unloadable = unloadable_quantization(archs[0], quant_method(model_config))
     if unloadable:
         return Decision(False, unloadable)
-    if (entry.wrapper == DENSE_WRAPPER and block_fp8(model_config) and on_nvidia()
-            and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):
-        return Decision(False, "a dense block-fp8 checkpoint on an NVIDIA GPU, where atom's fp8 path measured "
-                               "no faster than vLLM's own (docs/performance.md); "
-                               "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1 serves it with atom's model")
+    if block_fp8(model_config) and on_nvidia() and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA:
+        why = FP8_DENSE_ON_NVIDIA if entry.wrapper == DENSE_WRAPPER else FP8_MOE_ON_NVIDIA
+        return Decision(False, f"{why}; ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1 serves it with atom's model")
     if entry.nvidia_aside and on_nvidia() and not {archs[0], "*"} & set(envs.ATOM_ENABLE_ON_NVIDIA):
         return Decision(False, f"on an NVIDIA GPU: {entry.nvidia_aside}; ATOM_ENABLE_ON_NVIDIA={archs[0]} "
                                "serves it with atom's model")
