@@ -89,6 +89,11 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
     size with no disk and no build time."""
     info_path = out / "e2e_model.json"
     if info_path.exists() and (out / "tokenizer.json").exists():
+        if block_fp8 is not None:  # a checkpoint built before its quantization_config changed: the weights hold
+            c = json.loads((out / "config.json").read_text())
+            quant = fp8_quantization_config(block_fp8, c)
+            if c.get("quantization_config") != quant:
+                (out / "config.json").write_text(json.dumps({**c, "quantization_config": quant}, indent=2))
         return json.loads(info_path.read_text())
     import transformers
 
@@ -279,13 +284,35 @@ def _save_config(cfg: Any, out: Path, block_fp8: Optional[tuple[int, int]]) -> N
     cfg.save_pretrained(out)
     if block_fp8 is not None:
         c = json.loads((out / "config.json").read_text())
-        c["quantization_config"] = fp8_quantization_config(block_fp8)
+        c["quantization_config"] = fp8_quantization_config(block_fp8, c)
         (out / "config.json").write_text(json.dumps(c, indent=2))
 
 
-def fp8_quantization_config(block: tuple[int, int]) -> dict:
-    """HF's block-fp8 ``quantization_config`` (Qwen3-FP8 / DeepSeek-V3's)."""
-    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+def fp8_quantization_config(block: tuple[int, int], config: Optional[dict] = None) -> dict:
+    """HF's block-fp8 ``quantization_config`` (Qwen3-FP8 / DeepSeek-V3's) for a model's ``config``
+    (config.json's dict): Qwen3-MoE's releases (Qwen3-30B-A3B-FP8, Qwen3-235B-A22B-FP8) list their bf16
+    routers in ``modules_to_not_convert`` (:func:`unconverted_modules`), which vLLM's Qwen3-MoE needs:
+    its router takes the fp8 config, and without the list it quantises the router, whose checkpoint
+    weight is bf16 with no scale (vLLM then keeps its placeholder scale, float32's minimum)."""
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+    unconverted = unconverted_modules(config or {})
+    if unconverted:
+        quant["modules_to_not_convert"] = unconverted
+    return quant
+
+
+def unconverted_modules(config: dict) -> list[str]:
+    """The modules a block-fp8 release of this architecture keeps unquantised and lists (Qwen3-MoE:
+    ``lm_head`` and each sparse layer's ``mlp.gate``; the norms it also lists are not linear layers).
+    Other architectures list none (DeepSeek-V3's release; vLLM builds their routers unquantised)."""
+    if config.get("model_type") != "qwen3_moe":
+        return []
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or [])
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)  # (transformers 5's name)
+    sparse = [i for i in range(int(config["num_hidden_layers"]))
+              if i not in dense and experts > 0 and (i + 1) % step == 0]
+    return ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in sparse)]
 
 
 #: model_type -> (the MoE block's name in the checkpoint, its experts' gate / up / down names)
@@ -347,7 +374,7 @@ def quantize_block_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    quant = fp8_quantization_config(block)
+    quant = fp8_quantization_config(block, json.loads((src / "config.json").read_text()))
     index = {}
     for f in sorted(src.iterdir()):
         if f.suffix != ".safetensors":

@@ -267,3 +267,40 @@ def test_build_model_without_weights_writes_the_config_vllm_reads_for_dummy_load
     assert not list((tmp_path / "bare").glob("*.safetensors*")) and (tmp_path / "bare" / "tokenizer.json").exists()
     assert bare["params"] == full["params"] and (bare["weights"], full["weights"]) == ("dummy", "random")
     assert "router_load" not in bare["config"] and "router_load" in full["config"]
+
+
+def test_qwen3_moe_fp8_checkpoints_keep_their_routers_unquantised_as_the_releases_do(e2e, tmp_path, monkeypatch):
+    """The bench's block-fp8 Qwen3-MoE checkpoints (drawn, config-only, converted) list ``lm_head`` and
+    every sparse layer's ``mlp.gate`` in ``modules_to_not_convert``, as Qwen3-30B-A3B-FP8 does: real
+    vLLM's fp8 config then leaves each router unquantised (its Qwen3-MoE router takes the quant config:
+    without the list vLLM quantised the bf16 router and kept its placeholder scale, so every stock side
+    of the fp8 MoE cells before 2026-12-01 routed wrongly). Other architectures' releases list none."""
+    import json
+
+    from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    cls_name, kwargs, layers = e2e.MODELS["moe"]
+    monkeypatch.setitem(e2e.MODELS, "moe", (cls_name, {**kwargs, **TINY["moe"], "num_experts_per_tok": 2,
+                                                       "mlp_only_layers": [1]}, layers))
+    monkeypatch.setattr(e2e, "transformers_sources", lambda max_chars: ["def f(x):\n    return x + 1\n" * 200])
+    e2e.build_model("moe", 3, tmp_path / "bare", 512, 64, 0.02, block_fp8=(32, 32), weights=False)
+    e2e.build_model("moe", 3, tmp_path / "bf16", 512, 64, 0.02)
+    converted = e2e.quantize_block_fp8(tmp_path / "bf16", tmp_path / "conv", (32, 32))
+    quant = json.loads((tmp_path / "bare" / "config.json").read_text())["quantization_config"]
+    assert quant["modules_to_not_convert"] == ["lm_head", "model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]
+    assert converted == quant
+    vllm_fp8 = Fp8Config.from_config(quant)
+    for router in quant["modules_to_not_convert"][1:]:
+        assert isinstance(vllm_fp8.get_quant_method(object.__new__(ReplicatedLinear), router), UnquantizedLinearMethod)
+    assert not is_layer_skipped("model.layers.0.self_attn.o_proj", vllm_fp8.ignored_layers)
+    unlisted = Fp8Config.from_config({k: v for k, v in quant.items() if k != "modules_to_not_convert"})
+    assert not is_layer_skipped("model.layers.0.mlp.gate", unlisted.ignored_layers or [])
+    assert "modules_to_not_convert" not in e2e.fp8_quantization_config((128, 128), {"model_type": "deepseek_v3"})
+    # a checkpoint cached from before (no list in its config) gets the list when the build finds it
+    stale = json.loads((tmp_path / "bare" / "config.json").read_text())
+    del stale["quantization_config"]["modules_to_not_convert"]
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(stale))
+    e2e.build_model("moe", 3, tmp_path / "bare", 512, 64, 0.02, block_fp8=(32, 32), weights=False)
+    assert json.loads((tmp_path / "bare" / "config.json").read_text())["quantization_config"] == quant

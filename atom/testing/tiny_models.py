@@ -114,14 +114,17 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
 
 #: kind -> HF ``quantization_config`` written into config.json. Quantised: every decoder
 #: projection (attention, MLP, experts) except the ``ignored_layers`` (kept in the checkpoint's
-#: dtype); never the embedding, lm_head, norms or the MoE router.
+#: dtype); never the embedding, lm_head, norms or the MoE router. Qwen3-MoE's routers are listed
+#: too, as Qwen3-30B-A3B-FP8 lists them (``modules_to_not_convert``): vLLM's Qwen3-MoE router takes
+#: the fp8 config and would otherwise quantise the bf16 router, keeping a placeholder scale.
 FP8: dict[str, dict[str, Any]] = {
     "qwen3_fp8": dict(quant_method="fp8", activation_scheme="static",
                       ignored_layers=["model.layers.1.mlp.down_proj"]),
     "qwen3_fp8_block": dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[128, 128],
                             ignored_layers=["model.layers.1.mlp.down_proj"]),
     "qwen3_moe_fp8_block": dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[128, 128],
-                                ignored_layers=["model.layers.1.self_attn.o_proj"]),
+                                ignored_layers=["model.layers.1.self_attn.o_proj", "model.layers.0.mlp.gate",
+                                                "model.layers.1.mlp.gate"]),
     # DeepSeek-V3's config.json spells it so ("fmt"); no ignored layers there, two here.
     "deepseek_v3_fp8_block": dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3",
                                   weight_block_size=[128, 128],

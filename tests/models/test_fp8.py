@@ -110,6 +110,30 @@ def test_fp8_spec_reads_hf_quantization_config():
         block.is_ignored(["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj"])
 
 
+def test_the_tiny_qwen3_moe_fp8_checkpoint_keeps_its_routers_unquantised_for_vllm(fp8_checkpoint):
+    """The checkpoint holds each router in bf16 with no scale (the releases do too), and its config lists
+    them (Qwen3-30B-A3B-FP8: ``modules_to_not_convert``; here ``ignored_layers``), so real vLLM's fp8
+    config leaves them unquantised: its Qwen3-MoE router takes the quant config, and unlisted it would
+    be an fp8 layer whose scale is never loaded (the stock side of the GPU comparison would route
+    wrongly). atom's model keeps routers unquantised either way."""
+    from safetensors import safe_open
+    from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    path = fp8_checkpoint("qwen3_moe_fp8_block")
+    config = json.loads((path / "config.json").read_text())
+    vllm_fp8 = Fp8Config.from_config(config["quantization_config"])
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            tensors.update({n: st.get_slice(n).get_dtype() for n in st.keys()})
+    routers = sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".mlp.gate.weight"))
+    assert routers == [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])]
+    for router in routers:
+        assert tensors[router + ".weight"] == "BF16" and router + ".weight_scale_inv" not in tensors
+        assert isinstance(vllm_fp8.get_quant_method(object.__new__(ReplicatedLinear), router), UnquantizedLinearMethod)
+
+
 def test_wrapper_names_unsupported_quantization_methods(monkeypatch):
     """Where this process holds no vLLM entry to build instead (atom's overrides not registered
     here), the wrapper's first checks (before anything is built) refuse a quantisation method
