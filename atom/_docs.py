@@ -106,13 +106,17 @@ def render_supported_models() -> str:
                  "parallelism, under expert parallelism across data-parallel ranks, with LoRA adapters "
                  "(`--enable-lora`) and with speculative decoding other than ngram / suffix (EAGLE, MTP, a "
                  "draft model): atom's wrapper builds vLLM's own class there, as vLLM builds the model.\n")
-    from atom.plugin.vllm.overrides import FP8_DENSE_ON_NVIDIA, FP8_MOE_ON_NVIDIA  # (imports no vLLM)
+    from atom.plugin.vllm.overrides import FP8_DENSE_ON_NVIDIA  # (imports no vLLM)
 
-    lines.append("\nOn NVIDIA GPUs, 128x128 block-fp8 checkpoints (`weight_block_size`: Qwen3-FP8, "
-                 "Qwen3-MoE-FP8, DeepSeek-V3 / Kimi-K2) are served by vLLM's own model by default, with one "
-                 "line saying so (`ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1` serves them with atom's model): dense "
-                 f"architectures as {FP8_DENSE_ON_NVIDIA}; MoE architectures as {FP8_MOE_ON_NVIDIA}. Per-tensor "
-                 "fp8 checkpoints, CPU and ROCm are served by atom's models.\n")
+    fp8_moe = [e for e in MODEL_TABLE if e.nvidia_fp8_block_aside]
+    served = [f"`{e.arch}`" for e in MODEL_TABLE if "fp8" in e.quantization
+              and e.wrapper != "ATOMForCausalLM" and not e.nvidia_fp8_block_aside]
+    lines.append("\nOn NVIDIA GPUs, 128x128 block-fp8 checkpoints (`weight_block_size`) of dense architectures "
+                 f"are served by vLLM's own model by default, as {FP8_DENSE_ON_NVIDIA}, and so are those of "
+                 + ", ".join(f"`{e.arch}` ({e.nvidia_fp8_block_aside})" for e in fp8_moe)
+                 + "; one line says so, and `ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1` serves them with atom's model. "
+                 f"The block-fp8 checkpoints of {', '.join(served)} are atom's there; per-tensor fp8 checkpoints, "
+                 "CPU and ROCm are atom's too.\n")
     aside = [e for e in MODEL_TABLE if e.nvidia_aside]
     if aside:
         lines.append("\nOn NVIDIA GPUs atom also steps aside, by default, for these architectures "

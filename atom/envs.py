@@ -327,12 +327,12 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             "ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA", "bool", "0",
-            "Serve 128x128 block-fp8 checkpoints (Qwen3-FP8, Qwen3-MoE-FP8, DeepSeek-V3 / Kimi-K2) with "
-            "atom's models on NVIDIA GPUs. Off by default: there atom steps aside and vLLM's own "
-            "model serves them, because atom measured slower or no faster: dense, its fp8 path (vLLM's "
-            "DeepGEMM from 17 tokens) tied vLLM's; MoE, its fp8 experts measured 0.67x of vLLM's output "
-            "tok/s at 128 sequences (Qwen3-30B-A3B dims, 48 layers, H200; docs/performance.md). No "
-            "effect on CPU, ROCm or per-tensor fp8.",
+            "Serve 128x128 block-fp8 checkpoints of dense architectures (Qwen3-FP8, Llama) and of "
+            "Qwen3-MoE (Qwen3-30B-A3B-FP8, Qwen3-235B-A22B-FP8) with atom's models on NVIDIA GPUs. Off by "
+            "default: there atom steps aside and vLLM's own model serves them, because atom's fp8 path "
+            "measured no faster than vLLM's (dense: vLLM's DeepGEMM from 17 tokens, a tie; Qwen3-MoE: a tie "
+            "at one sequence at full depth; docs/performance.md). DeepSeek-V3 / Kimi-K2 fp8 is atom's "
+            "either way; no effect on CPU, ROCm or per-tensor fp8.",
             _parse_bool, _BOOL,
         ),
         EnvVar(

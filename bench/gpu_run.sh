@@ -62,7 +62,7 @@
 #            every side loads with load_format "dummy" (vLLM draws the weights, uniform in +-1e-3: about uniform
 #            routing); label and folder suffixed -dummy. For full-depth models whose checkpoint would not fit the disk. AB_ROUNDS=0: start the sides and stop (fills the
 #            JIT caches when a cold start and the measurement do not fit one command). With AB_FP8=1 the atom sides run
-#            with ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1: atom's model (by default atom steps aside for block fp8 on NVIDIA,
+#            with ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1: atom's model (by default atom steps aside for dense and Qwen3-MoE block fp8 on NVIDIA,
 #            and its atom side would run stock's). AB_ENGINE: JSON engine
 #            arguments for every side (e.g. {"max_num_batched_tokens": 8192}: no change to a 128/128 cell's
 #            steps up to C=64, half of stock's DeepGEMM warm-up shapes). AB_ROUTER_SKEW (MoE models, default 0:

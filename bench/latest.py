@@ -39,6 +39,19 @@ END = "<!-- generated from bench/results/latest.json by bench/latest.py: end -->
 
 _H100_0_26 = {"gpu": "NVIDIA H100 80GB HBM3",
               "versions": {"vllm": "0.26.0", "torch": "2.11.0+cu130", "triton": "3.6.0"}}
+#: Why a record's cell is shown but decides nothing (a RECORDS entry's ``not_counted``): the stock side of
+#: every Qwen3-MoE block-fp8 cell before 2026-12-01 ran a router that is not the release format's
+#: (bench/NOTES.md 68). vLLM's Qwen3-MoE router takes the fp8 config; the bench's checkpoints did not list
+#: it in ``modules_to_not_convert`` as Qwen3-30B-A3B-FP8 does, so vLLM quantised it: on random-weight
+#: checkpoints (bf16 router in the file, no scale) with its placeholder scale (float32's minimum), on
+#: dummy weights with dummy fp8 values, whose routing at 128 sequences reached about half the experts'
+#: bytes per step. At one sequence a token reads 8 experts whatever its router computes, so the
+#: dummy-weight C=1 cell counts; weight memory counts from every record (the router's dtype moves it by
+#: 0.25 MB per layer).
+STOCK_ROUTER_FP8_RANDOM = ("stock's Qwen3-MoE router ran in fp8 with vLLM's placeholder scale (the checkpoint "
+                           "did not list it as unquantised, as the release does)")
+STOCK_ROUTER_FP8_DUMMY = ("stock's Qwen3-MoE router ran in fp8 on dummy weights (the config did not list it as "
+                          "unquantised, as the release does): its routing reached about half the experts per step")
 #: The current records (paths relative to the repository) and what older records did not store.
 RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h100_2026-11-24/ab_dense.json", "assumed": _H100_0_26},
@@ -53,18 +66,18 @@ RECORDS: list[dict[str, Any]] = [
     # MoE fp8 (Qwen3-30B-A3B dims, 4 layers): two launches per side of 20-s windows after an
     # unmeasured warm-up window, stock with FlashInfer staged (2026-11-27b; replaces 2026-11-24b's
     # one launch of 8-s windows without FlashInfer)
-    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch1_c1.json"},
-    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch2_c1.json"},
-    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch1_c128.json"},
-    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch2_c128.json"},
+    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch1_c1.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
+    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch2_c1.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
+    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch1_c128.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
+    {"path": "bench/results/h100_2026-11-27b/ab_moe-fp8_launch2_c128.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
     # fp8 at the issue's other dims (2026-11-24e): DeepSeek-V3 dims (two launches, pooled),
     # Qwen3-235B-A22B and Qwen3-32B dims
     {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_c1.json"},
     {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_run2_c1.json"},
     {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_c64.json"},
     {"path": "bench/results/h100_2026-11-24e/ab_mla-fp8_run2_c64.json"},
-    {"path": "bench/results/h100_2026-11-24e/ab_moe235-fp8_c1.json"},
-    {"path": "bench/results/h100_2026-11-24e/ab_moe235-fp8_c64.json"},
+    {"path": "bench/results/h100_2026-11-24e/ab_moe235-fp8_c1.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
+    {"path": "bench/results/h100_2026-11-24e/ab_moe235-fp8_c64.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
     {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run1_c1.json"},
     {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run2_c1.json"},
     {"path": "bench/results/h100_2026-11-24f/ab_dense32-fp8_run3_c1.json"},
@@ -137,19 +150,19 @@ RECORDS: list[dict[str, Any]] = [
     # fp8 MoE, H200 (2026-11-29c): Qwen3-30B-A3B dims, 4 layers, 128x128 block fp8, batch arrivals; stock
     # (vLLM's Triton fp8 MoE, FlashInfer/DeepGEMM block-fp8 linears) vs atom (its MoE model and fused fp8
     # experts); four launches over three commands, start order rotated
-    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch12_c1.json"},
-    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch3_c1.json"},
-    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch4_c1.json"},
-    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch12_c128.json"},
-    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch3_c128.json"},
-    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch4_c128.json"},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch12_c1.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch3_c1.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch4_c1.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch12_c128.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch3_c128.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
+    {"path": "bench/results/h200_2026-11-29c/ab_moe-fp8_launch4_c128.json", "not_counted": STOCK_ROUTER_FP8_RANDOM},
     # fp8 MoE at full depth, H200 (2026-12-01): Qwen3-30B-A3B dims, all 48 layers, 128x128 block fp8, vLLM's dummy
     # weights, batch arrivals, CUDA graphs up to 128; stock vs atom (its default: its MoE model, fused fp8 experts);
     # three launches over two commands, start order and first-measured side rotated, starts overlapped
     {"path": "bench/results/h200_2026-12-01/ab_moe-fp8-dummy_launch12_c1.json"},
     {"path": "bench/results/h200_2026-12-01/ab_moe-fp8-dummy_launch3_c1.json"},
-    {"path": "bench/results/h200_2026-12-01/ab_moe-fp8-dummy_launch12_c128.json"},
-    {"path": "bench/results/h200_2026-12-01/ab_moe-fp8-dummy_launch3_c128.json"},
+    {"path": "bench/results/h200_2026-12-01/ab_moe-fp8-dummy_launch12_c128.json", "not_counted": STOCK_ROUTER_FP8_DUMMY},
+    {"path": "bench/results/h200_2026-12-01/ab_moe-fp8-dummy_launch3_c128.json", "not_counted": STOCK_ROUTER_FP8_DUMMY},
 ]
 
 
@@ -229,7 +242,7 @@ def _group(records: list[tuple[dict, dict]]) -> list[tuple[tuple, list[tuple[dic
     groups: list[tuple[tuple, dict[str, tuple], list[tuple[dict, dict]]]] = []
     for rec, entry in records:
         key = (rec["label"] or rec["model"], _cell(rec, entry), rec["reference"],
-               _side_configuration(rec, rec["reference"]))
+               _side_configuration(rec, rec["reference"]), entry.get("not_counted", ""))
         configs = {n: _side_configuration(rec, n) for n in rec["sides"]}
         for gkey, gconfigs, members in groups:
             if gkey == key and all(gconfigs.get(n, c) == c for n, c in configs.items()):
@@ -306,7 +319,7 @@ def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dic
     windows), with that side's own launch count."""
     loaded = [(json.loads((root / entry["path"]).read_text()), entry) for entry in (RECORDS if records is None else records)]
     cells = []
-    for (label, cell, ref, _), members in _group(loaded):
+    for (label, cell, ref, _, not_counted), members in _group(loaded):
         names = list(dict.fromkeys(n for rec, _ in members for n in rec["sides"]))
         facts = [_facts(rec, entry) for rec, entry in members]
         if len({(g, json.dumps(v, sort_keys=True)) for g, v, _ in facts}) > 1:
@@ -335,7 +348,7 @@ def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dic
                 partner = [t for rec in runs for t in rec["sides"][ref]["tok_s"]]
                 point, low, high = bootstrap_ratio(windows, partner)
                 side.update(ratio=round(point, 4), ratio_ci_low=round(low, 4), ratio_ci_high=round(high, 4),
-                            verdict=cell_verdict(point, low, high, side["launches"]))
+                            verdict="not counted" if not_counted else cell_verdict(point, low, high, side["launches"]))
             sides[n] = side
         cells.append({
             "model": label, "cell": cell, "conc": members[0][0]["conc"], "reference": ref, "gpu": gpu,
@@ -346,6 +359,7 @@ def build(records: list[dict[str, Any]] | None = None, root: Path = REPO) -> dic
             "assumed_fields": sorted({f for _, _, s in facts for f in s}),
             "sources": [entry["path"] for _, entry in members],
             "sides": sides,
+            **({"not_counted": not_counted} if not_counted else {}),
         })
     out = {"protocol": "bench/ab.py: sides alive at once on one GPU, interleaved windows, ratio of medians "
                        "with a bootstrap 95% interval; win only when the low end is above 1; with fewer than "
@@ -429,22 +443,19 @@ WHY = {
                             "W8A8 dispatch. So atom steps aside for dense block fp8 on NVIDIA (\"H100: block-fp8 "
                             "weights stay fp8\").",
     "moe-fp8-batch1": "Missed, a tie at full depth: 0.99x [0.99, 1.02] over 3 launches (Qwen3-30B-A3B dims, 48 "
-                      "layers, H200, 2026-12-01; the 4-layer cell: 1.09x [0.97, 1.16], host-bound). The step is "
-                      "latency-bound on both sides (30-36 % of the board's power at 100 % busy: 3.6 ms per token, "
-                      "where its ~2.8 GB of weights stream in ~0.6 ms). The expert GEMV's 6 us per layer at the "
-                      "kernel (H100) would be ~0.3 ms of that token (~1.09x); the cell shows none of it, so the rest "
-                      "of atom's batch-1 step costs about as much more; not profiled yet (the session's profile was "
-                      "C=128). Since this cell atom steps aside for block-fp8 checkpoints on NVIDIA (\"fp8 MoE at "
-                      "full depth\").",
-    "moe-fp8-throughput": "Missed, a loss at full depth: 0.67x [0.66, 0.69] over 3 launches (C=128, the same cell). "
-                          "Its profile (one batch of 128 x 128/128): kernel time atom 1,673 vs stock 1,080 ms, the "
-                          "experts 1,158 vs 510 ms (atom's two grouped fp8 GEMMs 686 + 386 ms against vLLM's "
-                          "fused_moe_kernel with its tuned H200 table, 419 ms), the rest 515 vs 570 ms. vLLM's expert "
-                          "time (3.3 ms per step over 48 layers) is under what streaming every expert takes at 4.8 "
-                          "TB/s (~6.0 ms), so this cell's steps reach part of the experts only (vLLM's dummy weights), "
-                          "a regime where atom's grouped kernel takes 2.3x vLLM's time; a kernel measurement with "
-                          "diverse and with concentrated routing is next (bench/NOTES.md 66-67). Since this cell atom "
-                          "steps aside for block-fp8 checkpoints on NVIDIA (\"fp8 MoE at full depth\").",
+                      "layers, H200, 2026-12-01; the earlier 4-layer cells are not counted: stock's router was not "
+                      "the release format's). The step is latency-bound on both sides (30-36 % of the board's power "
+                      "at 100 % busy: 3.6 ms per token, where its ~2.8 GB of weights stream in ~0.6 ms). The expert "
+                      "GEMV's 6 us per layer at the kernel (H100) would be ~0.3 ms of that token (~1.09x); the cell "
+                      "shows none of it, so the rest of atom's batch-1 step costs about as much more; not profiled "
+                      "yet. On NVIDIA atom now steps aside for Qwen3-MoE block fp8 (\"fp8 MoE at full depth\").",
+    "moe-fp8-throughput": "Not decided: every Qwen3-MoE fp8 cell at C >= 32 ran a stock whose router was not the "
+                          "release format's (vLLM quantised it: the bench's checkpoints did not list it in "
+                          "modules_to_not_convert as Qwen3-30B-A3B-FP8 does; bench/NOTES.md 68), so none counts. The "
+                          "full-depth C=128 cell's 0.67x [0.66, 0.69] is against such a stock, whose expert GEMMs "
+                          "took 3.3 ms per step where streaming every expert takes ~6.0 ms; under uniform routing the "
+                          "kernel table has atom's fp8 experts at 0.98-1.07x vLLM's (H100, \"MoE at small batches\"). "
+                          "The checkpoints now list the routers; the cell is to be re-run (bench/NOTES.md 68).",
     "mla-fp8-batch1": "Not decided: 2 launches (1.14x [0.94, 1.23]).",
     "mla-fp8-throughput": "Not decided: 2 launches; the 3.02x is stock's instability (batches stalling up to 3.3 s, "
                           "not profiled), not claimed as a speed-up (\"H100: block-fp8 weights stay fp8\").",
@@ -480,7 +491,8 @@ def targets(latest: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             evidence.append({"model": c["model"], "cell": c["cell"], "date": max(c["dates"])[:10], "ran": _ran(atom),
                              **{k: atom[k] for k in ("ratio", "ratio_ci_low", "ratio_ci_high", "launches")},
-                             "deciding": atom["launches"] >= MIN_LAUNCHES, "meets": atom["ratio_ci_low"] >= bound,
+                             "deciding": atom["launches"] >= MIN_LAUNCHES and "not_counted" not in c,
+                             "not_counted": "not_counted" in c, "meets": atom["ratio_ci_low"] >= bound,
                              "host_bound": _host_bound(atom) or _host_bound(ref),
                              "latency_bound": _latency_bound(atom) or _latency_bound(ref)})
         deciding = [e for e in evidence if e["deciding"]]
@@ -495,7 +507,8 @@ def _evidence(e: dict) -> str:
         return f"{e['model']}: {e['atom_gib']:.2f} / {e['stock_gib']:.2f} GiB = {e['atom_gib'] / e['stock_gib']:.3f}x"
     text = (f"{e['model']} {e['cell']}: {e['ratio']:.2f}x [{e['ratio_ci_low']:.2f}, {e['ratio_ci_high']:.2f}], "
             f"{e['launches']} launch{'es' if e['launches'] > 1 else ''}, {e['ran']}, {e['date']}"
-            f"{', host-bound' if e.get('host_bound') else ', latency-bound' if e.get('latency_bound') else ''}")
+            f"{', host-bound' if e.get('host_bound') else ', latency-bound' if e.get('latency_bound') else ''}"
+            f"{', not counted' if e.get('not_counted') else ''}")
     return f"**{text}**" if e["deciding"] else text
 
 
@@ -525,6 +538,12 @@ def render(latest: dict[str, Any]) -> str:
                 f"| {c['model']} | {c['cell']} | {n} | {s['median_tok_s']:,.0f} | {vs} | {s.get('verdict', '-')} "
                 f"| {s['launches']} x {s['windows']} | {s['throttled_windows']} | {_power_cell(s)} | {_ran(s)} "
                 f"| {c['gpu']}, {c['versions'].get('vllm', '?')}{_flashinfer(c['versions'])} | {', '.join(d[:10] for d in sorted(set(c['dates'])))} |")
+    reasons = list(dict.fromkeys(c["not_counted"] for c in latest["cells"] if "not_counted" in c))
+    if reasons:
+        lines.append("")
+        for r in reasons:
+            which = ", ".join(f"{c['model']} {c['cell']}" for c in latest["cells"] if c.get("not_counted") == r)
+            lines.append(f"Not counted ({which}): {r}.")
     return "\n".join(lines)
 
 

@@ -28,8 +28,8 @@ def test_every_cell_says_what_the_protocol_asks_for():
             assert side["model_class"] and side["attention_impls"] and "throttled_windows" in side
             if name != cell["reference"]:
                 assert side["ratio_ci_low"] <= side["ratio"] <= side["ratio_ci_high"]
-                assert side["verdict"] == latest.cell_verdict(side["ratio"], side["ratio_ci_low"], side["ratio_ci_high"],
-                                                              side["launches"])
+                assert side["verdict"] == ("not counted" if "not_counted" in cell else latest.cell_verdict(
+                    side["ratio"], side["ratio_ci_low"], side["ratio_ci_high"], side["launches"]))
                 assert side["launches"] <= cell["launches_per_side"]
 
 
@@ -128,6 +128,30 @@ def test_every_target_that_is_not_met_says_why():
     for row in built["targets"]:
         assert row["status"] in ("met", "missed", "not decided")
         assert row["status"] == "met" or row["why"], row["id"]
+
+
+def test_a_record_marked_not_counted_is_shown_apart_and_decides_nothing(tmp_path):
+    """A RECORDS entry's ``not_counted`` (a reason: stock's side did not run what the comparison needs):
+    its cell never pools with counted records of the same cell, its verdict is "not counted" (the
+    interval is still shown), the reason follows the table, and the targets list it without deciding."""
+    assumed = {"gpu": "G", "versions": {"vllm": "0.26.0"}}
+    for name, date in (("a.json", "2026-01-01"), ("b.json", "2026-01-02")):
+        rec = _record([100, 101, 99], [60, 61, 59], date)
+        rec["label"], rec["conc"], rec["launches_per_side"] = "moe-fp8-L48", 128, 3
+        (tmp_path / name).write_text(json.dumps(rec))
+    out = latest.build([{"path": "a.json", "assumed": assumed, "not_counted": "stock ran another router"},
+                        {"path": "b.json", "assumed": assumed}], root=tmp_path)
+    apart, counted = out["cells"]
+    assert apart["not_counted"] == "stock ran another router" and "not_counted" not in counted
+    assert apart["sides"]["atom"]["verdict"] == "not counted" and counted["sides"]["atom"]["verdict"] == "loss"
+    assert apart["sides"]["atom"]["ratio_ci_high"] < 1.0
+    table = latest.render(out)
+    assert "| not counted |" in table and "\nNot counted (moe-fp8-L48 8/8@128): stock ran another router." in table
+    (row,) = [r for r in latest.targets({"cells": [apart]}) if r["id"] == "moe-fp8-throughput"]
+    assert row["status"] == "not decided" and not row["evidence"][0]["deciding"]
+    assert ", not counted" in latest.render_targets([row])
+    (row,) = [r for r in latest.targets({"cells": [apart, counted]}) if r["id"] == "moe-fp8-throughput"]
+    assert row["status"] == "missed"  # the counted cell decides
 
 
 def _cell(model, conc, ratio, low, high, launches, atom_gib=None, stock_gib=None):

@@ -29,6 +29,10 @@ class ModelEntry:
     #: Why atom steps aside for this architecture on NVIDIA GPUs by default ("": it does not): a
     #: measured loss to vLLM's own model there. ``ATOM_ENABLE_ON_NVIDIA`` serves it anyway.
     nvidia_aside: str = ""
+    #: Why atom steps aside for this (MoE) architecture's 128x128 block-fp8 checkpoints on NVIDIA GPUs
+    #: by default ("": it does not; dense architectures follow one rule, ``overrides.FP8_DENSE_ON_NVIDIA``).
+    #: ``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1`` serves them anyway.
+    nvidia_fp8_block_aside: str = ""
     #: class name in atom.plugin.sglang.model_wrapper ("": not served through SGLang yet)
     sglang_wrapper: str = ""
     #: Where and how the SGLang override is verified.
@@ -96,6 +100,10 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "fp32, TP=2 / EP=2 scale slicing checked; H100: fused_moe on fp8 block-scaled experts "
                  "matches the dequantised reference in the GPU test (model alone)",
         quantization=("fp8",),
+        nvidia_fp8_block_aside="atom's fp8 MoE model measured no gain over vLLM's own: a tie at one sequence "
+                               "(0.99x [0.99, 1.02], Qwen3-30B-A3B dims, 48 layers, H200, 3 launches); its "
+                               "throughput is not yet measured against vLLM with the router in bf16 as the "
+                               "release checkpoints keep it (docs/performance.md, 2026-12-01)",
         sglang_wrapper="Qwen3MoeForCausalLM", sglang_verified=_SGLANG_CPU_CI,
     ),
     ModelEntry(

@@ -11,12 +11,11 @@ vLLM's own registry entries, saved here when atom overrides them, and one INFO l
 
 atom also steps aside, by default, for 128x128-style block-fp8 checkpoints on NVIDIA GPUs, unless
 ``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1``: of dense architectures, because atom's fp8 model measured no
-faster than vLLM's own path (DeepGEMM; docs/performance.md, "block-fp8 weights stay fp8"); of MoE
-architectures, because atom's fp8 experts measured 0.67x of vLLM's output tok/s at 128 sequences
-(:data:`FP8_MOE_ON_NVIDIA`; the same expert kernels serve every MoE architecture). Per-tensor fp8,
-CPU and ROCm are unaffected. Likewise for an architecture whose table entry says atom
-measured slower than vLLM's model on NVIDIA GPUs (``ModelEntry.nvidia_aside``: the dense Qwen3), unless
-``ATOM_ENABLE_ON_NVIDIA`` names it.
+faster than vLLM's own path (DeepGEMM; docs/performance.md, "block-fp8 weights stay fp8"); of a MoE
+architecture whose table entry says atom measured no gain there (``ModelEntry.nvidia_fp8_block_aside``:
+Qwen3-MoE; DeepSeek-V3's fp8 model stays atom's). Per-tensor fp8, CPU and ROCm are unaffected.
+Likewise for an architecture whose table entry says atom measured slower than vLLM's model on NVIDIA
+GPUs (``ModelEntry.nvidia_aside``: the dense Qwen3), unless ``ATOM_ENABLE_ON_NVIDIA`` names it.
 
 And atom steps aside for a checkpoint in a quantization format its model does not load (MXFP4
 GPT-OSS, AWQ, GPTQ, compressed-tensors, ...: ``ModelEntry.quantization``), which vLLM's own model
@@ -47,10 +46,9 @@ DENSE_WRAPPER = "ATOMForCausalLM"
 #: Why atom steps aside for block-fp8 checkpoints of dense architectures on NVIDIA GPUs.
 FP8_DENSE_ON_NVIDIA = ("a dense block-fp8 checkpoint on an NVIDIA GPU, where atom's fp8 path measured no faster "
                        "than vLLM's own (docs/performance.md)")
-#: Why atom steps aside for block-fp8 checkpoints of MoE architectures on NVIDIA GPUs.
-FP8_MOE_ON_NVIDIA = ("a block-fp8 MoE checkpoint on an NVIDIA GPU, where atom's fp8 experts measured 0.67x "
-                     "[0.66, 0.69] of vLLM's output tok/s at 128 sequences and a tie at one (Qwen3-30B-A3B dims, "
-                     "48 layers, H200, 3 launches; docs/performance.md)")
+#: The head of the reason for a MoE architecture's block-fp8 step-aside on NVIDIA GPUs (its table
+#: entry's ``nvidia_fp8_block_aside`` follows).
+FP8_MOE_ON_NVIDIA = "a block-fp8 MoE checkpoint on an NVIDIA GPU, where"
 #: arch -> vLLM's own registry entry, saved when atom overrides the arch (this process).
 STOCK: dict[str, Any] = {}
 
@@ -78,8 +76,10 @@ def serves(architectures: Any, model_config: Any) -> Decision:
     unloadable = unloadable_quantization(archs[0], quant_method(model_config))
     if unloadable:
         return Decision(False, unloadable)
-    if block_fp8(model_config) and on_nvidia() and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA:
-        why = FP8_DENSE_ON_NVIDIA if entry.wrapper == DENSE_WRAPPER else FP8_MOE_ON_NVIDIA
+    dense = entry.wrapper == DENSE_WRAPPER
+    if ((dense or entry.nvidia_fp8_block_aside) and block_fp8(model_config) and on_nvidia()
+            and not envs.ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA):
+        why = FP8_DENSE_ON_NVIDIA if dense else f"{FP8_MOE_ON_NVIDIA} {entry.nvidia_fp8_block_aside}"
         return Decision(False, f"{why}; ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1 serves it with atom's model")
     if entry.nvidia_aside and on_nvidia() and not {archs[0], "*"} & set(envs.ATOM_ENABLE_ON_NVIDIA):
         return Decision(False, f"on an NVIDIA GPU: {entry.nvidia_aside}; ATOM_ENABLE_ON_NVIDIA={archs[0]} "
