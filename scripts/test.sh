@@ -9,6 +9,10 @@
 #   bash scripts/test.sh tests/toolkit   the given pytest arguments, in the vLLM environment only
 #   bash scripts/test.sh --sglang [...]  the SGLang part only (default: tests/sglang and the
 #                                        record contract, whose SGLang records run there)
+#
+# The vLLM suite runs in $ATOM_TEST_WORKERS worker processes (pytest-xdist, default 2; 0: in this
+# process, e.g. for -s or pdb), each test file whole in one worker (--dist loadfile: a module's
+# engines are built once). The SGLang part runs in one process.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -44,7 +48,8 @@ if [ "${1:-}" = --sglang ]; then
 fi
 
 status=0
-run_pytest "$(bash "$root/scripts/ensure_env.sh")" "${@:-tests}" || status=$?
+workers="${ATOM_TEST_WORKERS:-2}"
+run_pytest "$(bash "$root/scripts/ensure_env.sh")" -n "$workers" --dist loadfile "${@:-tests}" || status=$?
 if [ "$#" -eq 0 ]; then
     echo "[atom] the SGLang part: ${SGLANG_TESTS[*]} in the SGLang environment" >&2
     venv="$(bash "$root/scripts/ensure_env.sh" --sglang)"
