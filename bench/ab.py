@@ -449,6 +449,17 @@ def _window(proc: subprocess.Popen, log: Path, seed: int, seconds: float, conc: 
     return json.loads(line[7:])
 
 
+def router_mismatch(facts: dict[str, dict]) -> str:
+    """Why the sides did not serve the same model, as far as their MoE routers show (bench/ab_worker.py
+    ``router_facts``: one side's routers quantised, another's not, or a side without the routers the
+    others have), or "" when they agree. Weight values are not compared: atom may repack weights and
+    dummy weights are drawn per side."""
+    seen = {name: (f.get("routers") or {}).get("dtypes") for name, f in facts.items()}
+    if len({tuple(d) if d else None for d in seen.values()}) <= 1:
+        return ""
+    return "the sides' MoE routers differ: " + ", ".join(f"{n} {'/'.join(d) if d else 'none'}" for n, d in seen.items())
+
+
 def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[str, list[dict]],
             facts: dict, logs: dict, warm: Optional[dict[str, list[float]]] = None) -> dict[str, Any]:
     """One cell's record (and its lines on stdout)."""
@@ -459,6 +470,10 @@ def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[s
         "warmup_s": args.warmup, "arrivals": args.arrivals, "engine": json.loads(args.engine),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "sides": {},
     }
+    mismatch = router_mismatch(facts)
+    if mismatch:  # shown, never deciding (bench/latest.py reads it as the record's not_counted)
+        record["not_counted"] = mismatch
+        print(f"[ab] WARNING: {mismatch}: this cell compares different models and counts for nothing", flush=True)
     print(f"\n{args.label or args.model}: {args.in_len}/{args.out_len} at C={conc}, {args.launches} launch(es) x "
           f"{args.rounds} interleaved rounds of >= {args.window:.0f} s per side")
     for name, _ in sides:

