@@ -48,8 +48,20 @@ if [ "${1:-}" = --sglang ]; then
 fi
 
 status=0
+prebuilds=()
+if [ "$#" -eq 0 ]; then
+    # The range environments (tests/vllm_range's, ~9 minutes to build where they are not cached) are
+    # made beside the suite's first files instead of inside its last ones; their script holds a lock,
+    # so the tests that need them wait for these builds, and a failed build fails those tests.
+    for release in 0.26 0.33; do
+        bash "$root/scripts/ensure_range_env.sh" "$release" >/dev/null \
+            2>"${TMPDIR:-/tmp}/atom-range-env-$release.log" &
+        prebuilds+=($!)
+    done
+fi
 workers="${ATOM_TEST_WORKERS:-2}"
 run_pytest "$(bash "$root/scripts/ensure_env.sh")" -n "$workers" --dist loadfile "${@:-tests}" || status=$?
+for pid in ${prebuilds[@]+"${prebuilds[@]}"}; do wait "$pid" || true; done
 if [ "$#" -eq 0 ]; then
     echo "[atom] the SGLang part: ${SGLANG_TESTS[*]} in the SGLang environment" >&2
     venv="$(bash "$root/scripts/ensure_env.sh" --sglang)"
