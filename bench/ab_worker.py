@@ -141,8 +141,7 @@ def distinct_per_step(token_ids: list) -> list[int]:
 
 def router_facts(model) -> dict | None:
     """What the MoE routers of a loaded model hold (``None`` for a model without any): how many,
-    their weights' dtypes, their vLLM quantisation methods (where they have one) and the mean |w| of
-    the first. A side whose routers are quantised while the other's are not serves another model:
+    their weights' dtypes and their vLLM quantisation methods (where they have one). A side whose routers are quantised while the other's are not serves another model:
     stock vLLM's Qwen3-MoE router takes the checkpoint's fp8 config unless the checkpoint lists it
     as unquantised (bench/NOTES.md entry 68), which is how every Qwen3-MoE fp8 cell before
     2026-12-01 compared atom with a stock whose routing was broken."""
@@ -152,7 +151,7 @@ def router_facts(model) -> dict | None:
         return None
     methods = {type(m.quant_method).__name__ for m in routers if getattr(m, "quant_method", None) is not None}
     return {"count": len(routers), "dtypes": sorted({str(m.weight.dtype).removeprefix("torch.") for m in routers}),
-            "quant_methods": sorted(methods), "first_abs_mean": float(routers[0].weight.detach().float().abs().mean())}
+            "quant_methods": sorted(methods)}
 
 
 def main(argv: list[str]) -> int:

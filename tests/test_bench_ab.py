@@ -85,7 +85,7 @@ def test_router_facts_say_what_each_sides_routers_hold():
     import torch
     from torch import nn
 
-    ab_worker, ab = load_bench("ab_worker"), load_bench("ab")
+    ab_worker = load_bench("ab_worker")
 
     def model(router_dtype):
         layers = nn.ModuleList()
@@ -143,7 +143,25 @@ def test_router_facts_find_the_routers_of_real_engines_on_both_sides(tiny_model,
     llm = vllm_engine(tiny_model("qwen3_moe_fp8_block"), max_model_len=128, max_num_seqs=2)
     facts = llm.apply_model(lambda model: {"class": type(model).__name__, **ab_worker.router_facts(model)})[0]
     assert facts["class"] == "ATOMMoEForCausalLM" and facts["count"] == 2 and facts["dtypes"] == ["bfloat16"], facts
-    assert load_bench("ab").router_mismatch({"stock": {"routers": stock}, "atom": {"routers": facts}}) == ""
+    assert ab.router_mismatch({"stock": {"routers": stock}, "atom": {"routers": facts}}) == ""
+
+
+def test_a_cell_whose_sides_routers_differ_is_recorded_not_counted(tmp_path, capsys):
+    """ab._record writes router_mismatch's reason as the record's not_counted (bench/latest.py's),
+    with a warning, and nothing when the routers agree."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(label="moe-fp8", model="m", in_len=8, out_len=8, rounds=1, window=1.0, launches=1,
+                           warmup=0.0, arrivals="batch", engine="{}")
+    results = {n: [{"tok_s": t, "clocks": {}, "first": [[1, 2]]}] for n, t in (("stock", 100.0), ("atom", 90.0))}
+    sides = [("stock", {}), ("atom", {})]
+    logs = {"stock": [], "atom": []}
+    fp8, bf16 = {"routers": {"dtypes": ["float8_e4m3fn"]}}, {"routers": {"dtypes": ["bfloat16"]}}
+    record = ab._record(args, sides, ["stock", "atom"], 4, results, {"stock": fp8, "atom": bf16}, logs)
+    assert record["not_counted"] == "the sides' MoE routers differ: stock float8_e4m3fn, atom bfloat16"
+    assert "WARNING: the sides' MoE routers differ" in capsys.readouterr().out
+    record = ab._record(args, sides, ["stock", "atom"], 4, results, {"stock": bf16, "atom": dict(bf16)}, logs)
+    assert "not_counted" not in record
 
 
 def test_sides_parse():

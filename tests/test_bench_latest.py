@@ -130,15 +130,23 @@ def test_every_target_that_is_not_met_says_why():
         assert row["status"] == "met" or row["why"], row["id"]
 
 
+def _write_moe_fp8_pair(tmp_path, first=None) -> dict:
+    """Two records of one 3-launch MoE fp8 cell at C=128 (atom losing), a.json (plus ``first``'s fields)
+    and b.json; returns the fields both assume."""
+    for name, date in (("a.json", "2026-01-01"), ("b.json", "2026-01-02")):
+        rec = _record([100, 101, 99], [60, 61, 59], date)
+        rec["label"], rec["conc"], rec["launches_per_side"] = "moe-fp8-L48", 128, 3
+        if name == "a.json":
+            rec.update(first or {})
+        (tmp_path / name).write_text(json.dumps(rec))
+    return {"gpu": "G", "versions": {"vllm": "0.26.0"}}
+
+
 def test_a_record_marked_not_counted_is_shown_apart_and_decides_nothing(tmp_path):
     """A RECORDS entry's ``not_counted`` (a reason: stock's side did not run what the comparison needs):
     its cell never pools with counted records of the same cell, its verdict is "not counted" (the
     interval is still shown), the reason follows the table, and the targets list it without deciding."""
-    assumed = {"gpu": "G", "versions": {"vllm": "0.26.0"}}
-    for name, date in (("a.json", "2026-01-01"), ("b.json", "2026-01-02")):
-        rec = _record([100, 101, 99], [60, 61, 59], date)
-        rec["label"], rec["conc"], rec["launches_per_side"] = "moe-fp8-L48", 128, 3
-        (tmp_path / name).write_text(json.dumps(rec))
+    assumed = _write_moe_fp8_pair(tmp_path)
     out = latest.build([{"path": "a.json", "assumed": assumed, "not_counted": "stock ran another router"},
                         {"path": "b.json", "assumed": assumed}], root=tmp_path)
     apart, counted = out["cells"]
@@ -157,13 +165,8 @@ def test_a_record_marked_not_counted_is_shown_apart_and_decides_nothing(tmp_path
 def test_a_record_that_says_its_sides_differ_is_not_counted(tmp_path):
     """A record's own ``not_counted`` (bench/ab.py writes one when the sides' MoE routers differ) sets
     its cell apart as a RECORDS entry's does."""
-    assumed = {"gpu": "G", "versions": {"vllm": "0.26.0"}}
-    for name, date in (("a.json", "2026-01-01"), ("b.json", "2026-01-02")):
-        rec = _record([100, 101, 99], [60, 61, 59], date)
-        rec["label"], rec["conc"], rec["launches_per_side"] = "moe-fp8-L48", 128, 3
-        if name == "a.json":
-            rec["not_counted"] = "the sides' MoE routers differ: stock float8_e4m3fn, atom bfloat16"
-        (tmp_path / name).write_text(json.dumps(rec))
+    assumed = _write_moe_fp8_pair(
+        tmp_path, first={"not_counted": "the sides' MoE routers differ: stock float8_e4m3fn, atom bfloat16"})
     out = latest.build([{"path": "a.json", "assumed": assumed}, {"path": "b.json", "assumed": assumed}], root=tmp_path)
     apart, counted = out["cells"]
     assert apart["not_counted"].startswith("the sides' MoE routers differ") and "not_counted" not in counted
