@@ -45,9 +45,8 @@ _H100_0_26 = {"gpu": "NVIDIA H100 80GB HBM3",
 #: it in ``modules_to_not_convert`` as Qwen3-30B-A3B-FP8 does, so vLLM quantised it: on random-weight
 #: checkpoints (bf16 router in the file, no scale) with its placeholder scale (float32's minimum), on
 #: dummy weights with dummy fp8 values, whose routing at 128 sequences reached about half the experts'
-#: bytes per step. At one sequence a token reads 8 experts whatever its router computes, so the
-#: dummy-weight C=1 cell counts; weight memory counts from every record (the router's dtype moves it by
-#: 0.25 MB per layer).
+#: bytes per step. Weight memory counts from every record (the router's dtype moves it by 0.25 MB per
+#: layer). Records from 2026-12-02 on carry each side's router facts, and bench/ab.py marks a mismatch itself.
 STOCK_ROUTER_FP8_RANDOM = ("stock's Qwen3-MoE router ran in fp8 with vLLM's placeholder scale (the checkpoint "
                            "did not list it as unquantised, as the release does)")
 STOCK_ROUTER_FP8_DUMMY = ("stock's Qwen3-MoE router ran in fp8 on dummy weights (the config did not list it as "
@@ -463,7 +462,7 @@ WHY = {
                           "(bench/results/h200_2026-12-02/prof_*): kernel time atom 1,667 vs stock 1,684 ms; the "
                           "grouped expert GEMMs 1,070 ms (atom's gemm1 684 + gemm2 386) vs stock's fused_moe_kernel "
                           "1,039 ms (vLLM's tuned H200 table): both stream every expert at ~3.5 TB/s, so the "
-                          "experts are at parity and the ~3 % comes from the rest. A 1.15x needs the expert GEMMs "
+                          "experts are within 3 % and the rest (597 vs 645 ms) makes up the 1 %. A 1.15x needs the expert GEMMs "
                           "nearer the 4.8 TB/s peak (~6 ms per step vs 8.4). Earlier cells are not counted "
                           "(stock's router was fp8: bench/NOTES.md 68).",
     "mla-fp8-batch1": "Not decided: 2 launches (1.14x [0.94, 1.23]).",
