@@ -139,7 +139,7 @@ def _moe_gemm1_kernel(
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr, QUANT_OUT: tl.constexpr,
     ROUND: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr, CLAMP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr, CLAMP: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(inter, BLOCK_N)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
@@ -160,8 +160,15 @@ def _moe_gemm1_kernel(
         as_ptrs = a_scale_ptr + tok * stride_ast
         sg_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // SCALE_BN) * stride_wsn
         su_ptrs = w_scale_ptr + expert * stride_wse + ((offs_n + inter) // SCALE_BN) * stride_wsn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # SWAP_AB: the accumulators are transposed, [BLOCK_N, BLOCK_M] = w_tile^T @ a_tile^T, so the
+    # weight rows fill the MMA's M side (64/128 rows: Hopper's warpgroup MMA) and the few tokens
+    # per expert its N side; one transpose after the K loop restores [BLOCK_M, BLOCK_N]
+    if SWAP_AB:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         kmask = offs_k < hidden - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
@@ -176,14 +183,26 @@ def _moe_gemm1_kernel(
             a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
             s_g = tl.load(sg_ptrs + kb * stride_wsk, mask=nmask, other=0.0)
             s_u = tl.load(su_ptrs + kb * stride_wsk, mask=nmask, other=0.0)
-            acc_g += tl.dot(a, bg) * (a_s[:, None] * s_g[None, :])
-            acc_u += tl.dot(a, bu) * (a_s[:, None] * s_u[None, :])
+            if SWAP_AB:
+                at = tl.trans(a)
+                acc_g += tl.dot(tl.trans(bg), at) * (s_g[:, None] * a_s[None, :])
+                acc_u += tl.dot(tl.trans(bu), at) * (s_u[:, None] * a_s[None, :])
+            else:
+                acc_g += tl.dot(a, bg) * (a_s[:, None] * s_g[None, :])
+                acc_u += tl.dot(a, bu) * (a_s[:, None] * s_u[None, :])
+        elif SWAP_AB:
+            at = tl.trans(a)
+            acc_g = tl.dot(tl.trans(bg), at, acc_g, input_precision=PREC)
+            acc_u = tl.dot(tl.trans(bu), at, acc_u, input_precision=PREC)
         else:
             acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
             acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     if HAS_BIAS:
         b_ptrs = bias_ptr + expert * stride_be + offs_n
         acc_g += tl.load(b_ptrs, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -208,7 +227,7 @@ def _moe_gemm2_kernel(
     stride_be,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
@@ -227,7 +246,10 @@ def _moe_gemm2_kernel(
     if FP8:
         as_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_ast
         s_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // SCALE_BN) * stride_wsn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:  # as in GEMM1: a transposed accumulator, weight rows on the MMA's M side
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         kmask = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
@@ -239,11 +261,18 @@ def _moe_gemm2_kernel(
             kb = k0 // BLOCK_K
             a_s = tl.load(as_ptrs + kb)
             b_s = tl.load(s_ptrs + kb * stride_wsk, mask=nmask, other=0.0)
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            if SWAP_AB:
+                acc += tl.dot(tl.trans(b), tl.trans(a)) * (b_s[:, None] * a_s[None, :])
+            else:
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        elif SWAP_AB:
+            acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PREC)
         else:
             acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     acc = acc * tl.load(topk_w_ptr + pair, mask=valid, other=0.0)[:, None]
@@ -281,6 +310,12 @@ class MoeConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    #: both GEMMs compute ``(w_tile^T @ a_tile^T)^T``: weight rows on the MMA's M side (few
+    #: tokens per expert), the tokens on its N side
+    swap_ab: bool = False
+    #: GEMM2's warps / stages when they differ from GEMM1's (0: the same)
+    num_warps2: int = 0
+    num_stages2: int = 0
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int, block_k_quant: Optional[int],
@@ -475,7 +510,7 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         TOPK=top_k, BLOCK_M=bm, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         FP8=fp8, SCALE_BN=scale_bn, QUANT_OUT=quant_in_gemm1, ROUND=exact_fp8_cast(),
         UPCAST=upcast, PREC=prec, HAS_BIAS=w13_bias is not None, SWIGLUOAI=swigluoai, CLAMP=clamp,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if fp8 and not quant_in_gemm1:
         inter_buf, inter_s = group_quant_fp8(inter_buf, scale_bk)
@@ -499,8 +534,8 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         inter_buf.stride(0), inter_s.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1), *ws2,
         dst.stride(0), w2_bias.stride(0) if w2_bias is not None else 0,
         BLOCK_M=bm, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FP8=fp8,
-        SCALE_BN=scale_bn, UPCAST=upcast, PREC=prec, HAS_BIAS=w2_bias is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALE_BN=scale_bn, UPCAST=upcast, PREC=prec, HAS_BIAS=w2_bias is not None, SWAP_AB=cfg.swap_ab,
+        num_warps=cfg.num_warps2 or cfg.num_warps, num_stages=cfg.num_stages2 or cfg.num_stages,
     )
 
     # 5. sum the top_k rows of each token

@@ -215,6 +215,38 @@ def test_fused_moe_fp8_separate_quant_pass_and_expert_map():
         torch.testing.assert_close(out.float(), ref.float(), atol=0.03 * scale, rtol=0.05)
 
 
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16", "fp8"])
+def test_fused_moe_swap_ab_tiles(dtype, fp8):
+    """The grouped GEMMs with A and B swapped (weight rows on the MMA's M side, the transposed
+    accumulator turned back once after the K loop), with GEMM2's own warps and stages: the
+    reference's numbers with odd sizes (tails in every K loop and row tile), experts missing,
+    and GEMM1 quantising its own output (fp8, BLOCK_N1 = block_k) or a separate pass (narrower);
+    fp32 equals the unswapped tiles' result."""
+    from atom.ops.moe_triton import MoeConfig, fused_moe_fwd
+
+    hidden, inter = (256, 192) if fp8 else (72, 56)
+    args, kw = make_moe(11, hidden, inter, 4, 2, dtype, seed=31, fp8_block=(128, 128) if fp8 else None,
+                        global_experts=6)
+    kw = dict(kw, expert_map=torch.tensor([0, -1, 1, 2, -1, 3], dtype=torch.int32, device=DEV))
+    ref = fused_moe.run("torch", *args, **kw)
+    bk = 128 if fp8 else 32
+    tiles = [MoeConfig(16, bk, 64, bk, 1, 4, 1, swap_ab=True, num_warps2=8, num_stages2=2),
+             MoeConfig(32, 64, 32, bk, 2, 4, 1, swap_ab=True)]
+    plain = fused_moe_fwd(*args, config=MoeConfig(16, bk, 64, bk, 1, 4, 1), **kw)
+    for cfg in tiles:
+        out = torch.full_like(args[0], float("nan"))
+        fused_moe_fwd(*args, out=out, config=cfg, **kw)
+        if fp8:
+            scale = ref.float().abs().max().item()
+            torch.testing.assert_close(out.float(), ref.float(), atol=0.03 * scale, rtol=0.05)
+        else:
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+
+
 # -- the small-batch (GEMV) path ------------------------------------------------------------------
 
 

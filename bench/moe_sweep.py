@@ -1,0 +1,282 @@
+#!/usr/bin/env python
+"""Tile sweep of atom's grouped fused-MoE path on one GPU (no vLLM needed): per batch size,
+routing and expert shape, every candidate :class:`atom.ops.moe_triton.MoeConfig` forced through
+``config=``, timed whole (CUDA graph, cold L2: ``bench/ops_compute.py``'s timer) and split by
+kernel (torch.profiler over eager calls, L2 flushed between them), against the device's
+measured read and copy bandwidth. bench/NOTES.md entry 73 is the question it answers: how close
+the expert GEMMs at 8-32 tokens per expert stream to the HBM peak, and whether swapping A and B
+(weight rows on the MMA's M side) or deeper pipelines get closer.
+
+    python bench/moe_sweep.py --json out.json            # H100 / H200: ~4 minutes
+    python bench/moe_sweep.py --dry-run                  # tiny shapes on CPU (Triton interpreter)
+
+Shapes: Qwen3-30B-A3B's experts (128, top-8, hidden 2048, inter 768) and DeepSeek-V3's (256,
+top-8, hidden 7168, inter 2048). Routing: ``uniform`` (random logits) and ``zipf`` (expert
+popularity ~ 1 / rank^1.1, top-k drawn without replacement). Every config's output is compared
+with the default config's (and the default with the torch reference on the Qwen3 shape).
+Kernels compile first in ``--compile-workers`` processes (Triton's disk cache), so the timing
+process only loads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: (name, experts, top_k, hidden, inter)
+SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "dsv3": (256, 8, 7168, 2048)}
+DRY_SHAPES = {"qwen3-30b": (16, 4, 256, 128), "dsv3": (16, 4, 256, 256)}
+
+
+def candidates(per_expert: float, fp8: bool):
+    """Candidate tiles for a batch with ``per_expert`` pairs per expert (the default first)."""
+    from atom.ops.moe_triton import MoeConfig
+
+    bk = 128
+    out = []
+    if fp8:
+        if per_expert <= 16:
+            for n1 in (64, 128):
+                for w, s in ((4, 3), (4, 5), (8, 4)):
+                    out.append(MoeConfig(16, n1, 128, bk, 1, w, s))
+            for n1 in (64, 128):
+                for n2 in (64, 128):
+                    for w, s in ((4, 3), (4, 4), (4, 5), (4, 6), (8, 4)):
+                        out.append(MoeConfig(16, n1, n2, bk, 1, w, s, swap_ab=True))
+            for w in (4, 8):
+                out.append(MoeConfig(32, 128, 128, bk, 1, w, 4, swap_ab=True))
+        else:
+            for bm, w, s in ((64, 8, 4), (64, 8, 3), (64, 8, 5), (32, 8, 4), (64, 4, 4)):
+                out.append(MoeConfig(bm, 128, 128, bk, 8, w, s))
+            for bm, w, s in ((32, 4, 4), (32, 8, 4), (64, 4, 4), (64, 8, 4), (16, 4, 4)):
+                out.append(MoeConfig(bm, 128, 128, bk, 8, w, s, swap_ab=True))
+    else:
+        for n1, n2, k, w, s, swap in ((64, 128, 128, 4, 3, False), (64, 128, 128, 4, 5, False),
+                                      (64, 128, 128, 4, 3, True), (64, 128, 128, 4, 4, True),
+                                      (128, 128, 64, 4, 4, True), (64, 64, 128, 4, 5, True),
+                                      (128, 128, 128, 8, 3, True), (64, 128, 64, 4, 6, True)):
+            out.append(MoeConfig(16, n1, n2, k, 1, w, s, swap_ab=swap))
+    return out
+
+
+def cases(dry: bool):
+    """(shape, fp8, tokens, routing) in the sweep's order."""
+    if dry:
+        return [("qwen3-30b", True, 8, "uniform"), ("qwen3-30b", True, 8, "zipf"),
+                ("qwen3-30b", False, 8, "uniform")]
+    out = []
+    for t in (32, 64, 128, 256, 512):
+        for routing in ("uniform", "zipf"):
+            out.append(("qwen3-30b", True, t, routing))
+    for t in (32, 128):
+        out.append(("dsv3", True, t, "uniform"))
+    for t in (128, 256):
+        out.append(("qwen3-30b", False, t, "uniform"))
+    return out
+
+
+def make_weights(torch, dev, experts, hidden, inter, fp8, dtype):
+    g = torch.Generator(device=dev).manual_seed(0)
+    if fp8:
+        f8 = torch.float8_e4m3fn
+        w13 = torch.empty(experts, 2 * inter, hidden, dtype=f8, device=dev)
+        w2 = torch.empty(experts, hidden, inter, dtype=f8, device=dev)
+        for e in range(experts):  # per expert: no float32 copy of a DeepSeek-V3 layer
+            w13[e] = torch.randn(2 * inter, hidden, device=dev, generator=g, dtype=torch.bfloat16).to(f8)
+            w2[e] = torch.randn(hidden, inter, device=dev, generator=g, dtype=torch.bfloat16).to(f8)
+        s13 = torch.rand(experts, 2 * inter // 128, hidden // 128, device=dev, generator=g) / hidden ** 0.5 + 1e-3
+        s2 = torch.rand(experts, hidden // 128, inter // 128, device=dev, generator=g) / inter ** 0.5 + 1e-3
+        return w13, w2, dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=dev, generator=g) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device=dev, generator=g) / inter ** 0.5).to(dtype)
+    return w13, w2, {}
+
+
+def route(torch, dev, tokens, experts, top_k, routing, seed):
+    from atom.ops.moe_routing import topk_softmax
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    logits = torch.randn(tokens, experts, device=dev, generator=g)
+    if routing == "zipf":
+        # Gumbel top-k over log-popularity: top_k distinct experts drawn without replacement,
+        # expert r (random order) chosen with probability ~ 1 / (r + 1)^1.1
+        perm = torch.randperm(experts, device=dev, generator=g)
+        logp = -1.1 * torch.log(torch.arange(1, experts + 1, device=dev, dtype=torch.float32))[perm]
+        u = torch.rand(tokens, experts, device=dev, generator=g).clamp_(1e-9, 1 - 1e-9)
+        logits = logp[None, :] - torch.log(-torch.log(u))
+    return topk_softmax(logits, top_k, True)
+
+
+def kernel_split(torch, fn, flush, reps: int = 10) -> dict:
+    """Device microseconds per call by kernel family (torch.profiler, eager, L2 flushed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush()
+            fn()
+        torch.cuda.synchronize()
+    split: dict = {}
+    for ev in prof.key_averages():
+        name = ev.key
+        if "zero" in name.lower() or "fill" in name.lower():
+            continue  # the flush
+        fam = next((f for f in ("gemm1", "gemm2", "align", "group_quant", "sum") if f in name), "other")
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        split[fam] = split.get(fam, 0.0) + us / reps
+    return split
+
+
+def cfg_label(c) -> str:
+    s = f"m{c.block_m} n{c.block_n1}/{c.block_n2} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+    if c.num_warps2 or c.num_stages2:
+        s += f" (2: w{c.num_warps2 or c.num_warps} s{c.num_stages2 or c.num_stages})"
+    return s + (" swap" if c.swap_ab else "")
+
+
+def compile_worker(shard: int, nshards: int, dry: bool) -> int:
+    """Compile (by running once) this shard's share of every (shape, dtype, config): small
+    expert counts, since the compiled kernels do not depend on them."""
+    import torch
+
+    from atom.ops.moe_triton import fused_moe_fwd
+
+    dev = torch.device("cpu" if dry else "cuda")
+    shapes = DRY_SHAPES if dry else SHAPES
+    jobs = []
+    for shape, fp8, t, _ in cases(dry):
+        e, k, h, i = shapes[shape]
+        for cfg in candidates(t * k / e, fp8):
+            jobs.append((shape, fp8, cfg))
+    jobs = list(dict.fromkeys(jobs))[shard::nshards]
+    cache: dict = {}
+    for shape, fp8, cfg in jobs:
+        e, k, h, i = shapes[shape]
+        key = (shape, fp8)
+        if key not in cache:
+            cache[key] = make_weights(torch, dev, 8, h, i, fp8, torch.bfloat16)
+        w13, w2, kw = cache[key]
+        x = torch.randn(64, h, device=dev, dtype=torch.bfloat16)
+        tw, ti = route(torch, dev, 64, 8, k, "uniform", 0)
+        fused_moe_fwd(x, w13, w2, tw, ti, config=cfg, **kw)
+    if not dry:
+        torch.cuda.synchronize()
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--compile-workers", type=int, default=12)
+    p.add_argument("--only", default="", help="comma-separated shape names (default: all)")
+    p.add_argument("--compile-shard", default="", help=argparse.SUPPRESS)  # "i/n": a worker
+    args = p.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "bench"))
+    if args.compile_shard:
+        i, n = (int(v) for v in args.compile_shard.split("/"))
+        return compile_worker(i, n, args.dry_run)
+
+    t0 = time.time()
+    if not args.dry_run and args.compile_workers > 0:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        procs = [subprocess.Popen([sys.executable, __file__, f"--compile-shard={i}/{args.compile_workers}"], env=env)
+                 for i in range(args.compile_workers)]
+        bad = [p.wait() for p in procs]
+        print(f"compiled in {time.time() - t0:.0f} s (workers' exit codes {sorted(set(bad))})", flush=True)
+
+    import torch
+
+    from ops_compute import Timer, measure_peaks
+    from atom.ops.moe import fused_moe
+    from atom.ops.moe_triton import fused_moe_fwd, moe_config
+
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    timer = Timer(torch, dev, 2 if args.dry_run else args.iters, True)
+    peaks = measure_peaks(torch, dev, timer, args.dry_run)
+    if not args.dry_run:  # a pure read stream: the bound of weight-streaming kernels
+        buf = torch.ones(1 << 28, dtype=torch.float32, device=dev)
+        peaks["read_GBps"] = buf.numel() * 4 / timer(lambda: buf.sum()) / 1e3
+        del buf
+    name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
+    print(f"{name}: {json.dumps({k: round(v) for k, v in peaks.items()})}", flush=True)
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    only = {s for s in args.only.split(",") if s}
+    rows = []
+    weights: dict = {}
+    for shape, fp8, t, routing in cases(args.dry_run):
+        if only and shape not in only:
+            continue
+        e, k, h, i = shapes[shape]
+        key = (shape, fp8)
+        if key not in weights:
+            weights.clear()
+            torch.cuda.empty_cache() if not args.dry_run else None
+            weights[key] = make_weights(torch, dev, e, h, i, fp8, torch.bfloat16)
+        w13, w2, kw = weights[key]
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        tw, ti = route(torch, dev, t, e, k, routing, seed=t)
+        used = int(torch.unique(ti).numel())
+        nbytes = used * 3 * h * i * (1 if fp8 else 2) + 2 * t * h * 2
+        out = torch.empty_like(x)
+        default = moe_config(t, k, e, 128 if fp8 else None, torch.bfloat16)
+        cands = candidates(t * k / e, fp8)
+        if default not in cands:
+            cands = [default] + cands
+        ref = fused_moe_fwd(x, w13, w2, tw, ti, config=default, **kw).clone()
+        if shape == "qwen3-30b":
+            oracle = fused_moe.run("torch", x, w13, w2, tw, ti, **kw)
+            ref_err = (ref.float() - oracle.float()).abs().max().item() / max(oracle.float().abs().max().item(), 1e-9)
+        else:
+            ref_err = None
+        for cfg in cands:
+            def fn(cfg=cfg):
+                return fused_moe_fwd(x, w13, w2, tw, ti, out=out, config=cfg, **kw)
+            fn()
+            err = (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-9)
+            us = timer(fn)
+            split = {} if args.dry_run else kernel_split(torch, fn, timer._flush)
+            row = dict(shape=shape, fp8=fp8, tokens=t, routing=routing, experts_used=used,
+                       per_expert=t * k / e, config=cfg_label(cfg), default=cfg == default, us=us,
+                       split_us=split, bytes=nbytes, GBps=nbytes / us / 1e3 if us else None,
+                       rel_err_vs_default=err, default_rel_err_vs_torch=ref_err)
+            rows.append(row)
+            print(f"{shape:9s} {'fp8' if fp8 else 'bf16'} T={t:<4d} {routing:7s} {row['config']:40s} "
+                  f"{us:8.1f} us {row['GBps'] or 0:6.0f} GB/s "
+                  + " ".join(f"{k_}={v:.0f}" for k_, v in sorted(split.items()))
+                  + f" err={err:.1e}" + (" DEFAULT" if row["default"] else ""), flush=True)
+    # the best per case
+    print("\nbest per case (vs the default):")
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["shape"], r["fp8"], r["tokens"], r["routing"]), []).append(r)
+    for key, rs in by.items():
+        d = next(r for r in rs if r["default"])
+        b = min(rs, key=lambda r: r["us"])
+        print(f"  {key[0]} {'fp8' if key[1] else 'bf16'} T={key[2]} {key[3]}: default {d['us']:.1f} us "
+              f"({d['GBps'] or 0:.0f} GB/s), best {b['us']:.1f} us ({b['GBps'] or 0:.0f} GB/s) {b['config']}: "
+              f"{d['us'] / b['us']:.3f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=name, peaks=peaks, versions=dict(
+            torch=torch.__version__, triton=__import__("triton").__version__), rows=rows), indent=1))
+        print(f"wrote {args.json}")
+    print(f"total {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
