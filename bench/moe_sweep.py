@@ -21,8 +21,10 @@ process only loads them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -36,12 +38,15 @@ SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "dsv3": (256, 8, 7168, 2048)}
 DRY_SHAPES = {"qwen3-30b": (16, 4, 256, 128), "dsv3": (16, 4, 256, 256)}
 
 
-def candidates(per_expert: float, fp8: bool):
-    """Candidate tiles for a batch with ``per_expert`` pairs per expert (the default first)."""
-    from atom.ops.moe_triton import MoeConfig
+def candidates(per_expert: float, fp8: bool, tokens: int = 0):
+    """Candidate tiles for a batch with ``per_expert`` pairs per expert (the default first);
+    up to 4 tokens also the small-batch (GEMV) path's tiles."""
+    from atom.ops.moe_triton import MoeConfig, gemv_config
 
     bk = 128
     out = []
+    if 0 < tokens <= 4:
+        out.append(gemv_config(bk if fp8 else None, __import__("torch").bfloat16))
     if fp8:
         if per_expert <= 16:
             for n1 in (64, 128):
@@ -73,10 +78,12 @@ def cases(dry: bool):
         return [("qwen3-30b", True, 8, "uniform"), ("qwen3-30b", True, 8, "zipf"),
                 ("qwen3-30b", False, 8, "uniform")]
     out = []
+    for t in (2, 3, 4, 8, 16):
+        out.append(("qwen3-30b", True, t, "uniform"))
     for t in (32, 64, 128, 256, 512):
         for routing in ("uniform", "zipf"):
             out.append(("qwen3-30b", True, t, routing))
-    for t in (32, 128):
+    for t in (8, 32, 128):
         out.append(("dsv3", True, t, "uniform"))
     for t in (128, 256):
         out.append(("qwen3-30b", False, t, "uniform"))
@@ -138,6 +145,8 @@ def kernel_split(torch, fn, flush, reps: int = 10) -> dict:
 
 
 def cfg_label(c) -> str:
+    if not hasattr(c, "block_m"):  # a GemvConfig
+        return "gemv " + ",".join(str(v) for v in dataclasses.astuple(c))
     s = f"m{c.block_m} n{c.block_n1}/{c.block_n2} k{c.block_k} w{c.num_warps} s{c.num_stages}"
     if c.num_warps2 or c.num_stages2:
         s += f" (2: w{c.num_warps2 or c.num_warps} s{c.num_stages2 or c.num_stages})"
@@ -156,7 +165,7 @@ def compile_worker(shard: int, nshards: int, dry: bool) -> int:
     jobs = []
     for shape, fp8, t, _ in cases(dry):
         e, k, h, i = shapes[shape]
-        for cfg in candidates(t * k / e, fp8):
+        for cfg in candidates(t * k / e, fp8, t):
             jobs.append((shape, fp8, cfg))
     jobs = list(dict.fromkeys(jobs))[shard::nshards]
     cache: dict = {}
@@ -181,6 +190,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--compile-workers", type=int, default=12)
     p.add_argument("--only", default="", help="comma-separated shape names (default: all)")
+    p.add_argument("--no-bf16", action="store_true", help="leave out the bf16 cases")
+    p.add_argument("--repeat", type=int, default=1, help="time every case this many times (rounds)")
     p.add_argument("--compile-shard", default="", help=argparse.SUPPRESS)  # "i/n": a worker
     args = p.parse_args(argv)
     if args.dry_run:
@@ -203,7 +214,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from ops_compute import Timer, measure_peaks
     from atom.ops.moe import fused_moe
-    from atom.ops.moe_triton import fused_moe_fwd, moe_config
+    from atom.ops.moe_triton import fused_moe_fwd, gemv_config, moe_config, takes_gemv
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
     timer = Timer(torch, dev, 2 if args.dry_run else args.iters, True)
@@ -218,8 +229,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     only = {s for s in args.only.split(",") if s}
     rows = []
     weights: dict = {}
-    for shape, fp8, t, routing in cases(args.dry_run):
-        if only and shape not in only:
+    for rnd, (shape, fp8, t, routing) in [(r, c) for r in range(args.repeat) for c in cases(args.dry_run)]:
+        if (only and shape not in only) or (args.no_bf16 and not fp8):
             continue
         e, k, h, i = shapes[shape]
         key = (shape, fp8)
@@ -233,8 +244,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         used = int(torch.unique(ti).numel())
         nbytes = used * 3 * h * i * (1 if fp8 else 2) + 2 * t * h * 2
         out = torch.empty_like(x)
-        default = moe_config(t, k, e, 128 if fp8 else None, torch.bfloat16)
-        cands = candidates(t * k / e, fp8)
+        default = (gemv_config(128 if fp8 else None, torch.bfloat16) if takes_gemv(t, k, e, fp8)
+                   else moe_config(t, k, e, 128 if fp8 else None, torch.bfloat16))  # what atom runs
+        cands = candidates(t * k / e, fp8, t)
         if default not in cands:
             cands = [default] + cands
         ref = fused_moe_fwd(x, w13, w2, tw, ti, config=default, **kw).clone()
@@ -250,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             err = (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-9)
             us = timer(fn)
             split = {} if args.dry_run else kernel_split(torch, fn, timer._flush)
-            row = dict(shape=shape, fp8=fp8, tokens=t, routing=routing, experts_used=used,
+            row = dict(round=rnd, shape=shape, fp8=fp8, tokens=t, routing=routing, experts_used=used,
                        per_expert=t * k / e, config=cfg_label(cfg), default=cfg == default, us=us,
                        split_us=split, bytes=nbytes, GBps=nbytes / us / 1e3 if us else None,
                        rel_err_vs_default=err, default_rel_err_vs_torch=ref_err)
@@ -264,12 +276,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     by: dict = {}
     for r in rows:
         by.setdefault((r["shape"], r["fp8"], r["tokens"], r["routing"]), []).append(r)
-    for key, rs in by.items():
-        d = next(r for r in rs if r["default"])
-        b = min(rs, key=lambda r: r["us"])
+    for key, rs in by.items():  # per config the median over rounds
+        med: dict = {}
+        for r in rs:
+            med.setdefault(r["config"], []).append(r)
+        agg = {c: dict(rr[0], us=statistics.median(x["us"] for x in rr),
+                       GBps=statistics.median(x["GBps"] or 0 for x in rr)) for c, rr in med.items()}
+        d = next(r for r in agg.values() if r["default"])
+        b = min(agg.values(), key=lambda r: r["us"])
         print(f"  {key[0]} {'fp8' if key[1] else 'bf16'} T={key[2]} {key[3]}: default {d['us']:.1f} us "
-              f"({d['GBps'] or 0:.0f} GB/s), best {b['us']:.1f} us ({b['GBps'] or 0:.0f} GB/s) {b['config']}: "
-              f"{d['us'] / b['us']:.3f}x")
+              f"({d['GBps'] or 0:.0f} GB/s) {d['config']}, best {b['us']:.1f} us ({b['GBps'] or 0:.0f} GB/s) "
+              f"{b['config']}: {d['us'] / b['us']:.3f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=name, peaks=peaks, versions=dict(
             torch=torch.__version__, triton=__import__("triton").__version__), rows=rows), indent=1))

@@ -324,21 +324,27 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, block_k_quant: Opt
 
     GEMM1 computes the gate and up halves in one program, so its BLOCK_N is half the width a
     plain GEMM over ``2 * inter`` columns would use. With fp8 block scales BLOCK_K is the
-    quantisation block, and BLOCK_N1 equals it at larger batches so GEMM1 can quantise its own
-    output; at small batches a narrower BLOCK_N1 gives more programs (weight-bandwidth bound)
-    and a separate quantisation pass follows.
+    quantisation block and BLOCK_N1 equals it, so GEMM1 quantises its own output (a narrower
+    BLOCK_N1, forced through ``config=``, takes a separate quantisation pass). Up to 16 fp8 pairs
+    per expert A and B are swapped (``swap_ab``): 16-row tiles of a few tokens cannot use
+    Hopper's warpgroup MMA, 128 weight rows can. Under the interpreter the fp8 tiles are swapped
+    as on the GPU, so CPU tests run that path.
     """
     per_expert = num_tokens * top_k / max(num_experts, 1)
     if triton_interpreting():
         if block_k_quant:
-            return MoeConfig(16, block_k_quant, 32, block_k_quant, 1, 4, 1)
+            return MoeConfig(16, block_k_quant, 32, block_k_quant, 1, 4, 1, swap_ab=True)
         return MoeConfig(16, 16, 32, 32, 2, 4, 1)
     if dtype == torch.float32 and not block_k_quant:
         return MoeConfig(16, 32, 32, 32, 1, 4, 2)  # the exact-check path: fp32 tiles, 3xTF32
     if block_k_quant:
         bk = block_k_quant
         if per_expert <= 16:
-            return MoeConfig(16, 64, 128, bk, 1, 4, 3)
+            # A and B swapped (the weight rows on the MMA's M side) and BLOCK_N1 = block_k (GEMM1
+            # quantises its own output): the H200 sweep (bench/NOTES.md entry 73) had them
+            # 0.91-0.97x the unswapped 64-wide tiles' time at 1-16 pairs per expert on Qwen3-30B-A3B
+            # and DeepSeek-V3 experts, uniform and Zipf routing (the GEMMs at ~3.8 TB/s of 4.16 read)
+            return MoeConfig(16, bk, 128, bk, 1, 4, 3, swap_ab=True)
         # BLOCK_N1 = block_k: two fp32 accumulators of that width need 8 warps to stay in
         # registers (4 warps spill at BLOCK_M >= 32, ptxas sm_90). 64-row tiles from 17 tokens per
         # expert: the H100 edge sweep (bench/NOTES.md entry 26) had them 0.60-0.93x the 32-row
