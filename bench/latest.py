@@ -55,6 +55,10 @@ STOCK_ROUTER_FP8_DUMMY = ("stock's Qwen3-MoE router ran in fp8 on dummy weights 
 #: bench/NOTES.md 72): the new records decide it, these stay shown.
 STOCK_ROUTER_FP8_SUPERSEDED = ("stock's Qwen3-MoE router ran in fp8 on dummy weights; superseded by the same cell "
                                "with both sides' routers bf16 (2026-12-02)")
+#: The 2026-12-02 full-depth fp8 MoE cell with atom's grouped fp8 expert tiles before they were swapped (A and B,
+#: bench/NOTES.md 73): the same cell with the new tiles (2026-12-02b) decides it, these stay shown.
+ATOM_FP8_TILES_SUPERSEDED = ("atom's fp8 expert tiles before the swapped-A/B change (bench/NOTES.md 73); superseded by "
+                             "the same cell with the new tiles (2026-12-02b)")
 #: The current records (paths relative to the repository) and what older records did not store.
 RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h100_2026-11-24/ab_dense.json", "assumed": _H100_0_26},
@@ -168,10 +172,16 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h200_2026-12-01/ab_moe-fp8-dummy_launch3_c128.json", "not_counted": STOCK_ROUTER_FP8_DUMMY},
     # The same cell again (2026-12-02, H200), the checkpoint listing every router unquantised as the release does:
     # both sides' routers bf16 (recorded per side); three launches over two commands after a cold fill
-    {"path": "bench/results/h200_2026-12-02/ab_moe-fp8-dummy_c1_launch12.json"},
-    {"path": "bench/results/h200_2026-12-02/ab_moe-fp8-dummy_c1_launch3.json"},
-    {"path": "bench/results/h200_2026-12-02/ab_moe-fp8-dummy_c128_launch12.json"},
-    {"path": "bench/results/h200_2026-12-02/ab_moe-fp8-dummy_c128_launch3.json"},
+    {"path": "bench/results/h200_2026-12-02/ab_moe-fp8-dummy_c1_launch12.json", "not_counted": ATOM_FP8_TILES_SUPERSEDED},
+    {"path": "bench/results/h200_2026-12-02/ab_moe-fp8-dummy_c1_launch3.json", "not_counted": ATOM_FP8_TILES_SUPERSEDED},
+    {"path": "bench/results/h200_2026-12-02/ab_moe-fp8-dummy_c128_launch12.json", "not_counted": ATOM_FP8_TILES_SUPERSEDED},
+    {"path": "bench/results/h200_2026-12-02/ab_moe-fp8-dummy_c128_launch3.json", "not_counted": ATOM_FP8_TILES_SUPERSEDED},
+    # The same cell with atom's swapped-A/B fp8 expert tiles (2026-12-02b, H200, bench/NOTES.md 73; atom's wheel from
+    # 668ad07): cold fill, then three launches over two commands
+    {"path": "bench/results/h200_2026-12-02b/ab_moe-fp8-dummy_c1_launch12.json"},
+    {"path": "bench/results/h200_2026-12-02b/ab_moe-fp8-dummy_c1_launch3.json"},
+    {"path": "bench/results/h200_2026-12-02b/ab_moe-fp8-dummy_c128_launch12.json"},
+    {"path": "bench/results/h200_2026-12-02b/ab_moe-fp8-dummy_c128_launch3.json"},
 ]
 
 
@@ -451,20 +461,24 @@ WHY = {
                             "same kernel as stock's; the 8B dims' single launches (0.86x, 0.92x) ran the older Triton "
                             "W8A8 dispatch. So atom steps aside for dense block fp8 on NVIDIA (\"H100: block-fp8 "
                             "weights stay fp8\").",
-    "moe-fp8-batch1": "Missed, a tie at full depth: 0.99x [0.98, 1.00] over 3 launches (Qwen3-30B-A3B dims, 48 "
-                      "layers, H200, 2026-12-02, both sides' routers bf16; 2026-12-01's 0.99x against stock's fp8 "
-                      "router agrees). The step is latency-bound on both sides (31-37 % of the board's power at "
-                      "100 % busy: 3.6 ms per token, where its ~2.8 GB of weights stream in ~0.6 ms); the expert "
-                      "GEMV's gain at the kernel (~0.3 ms of the token) is not seen end to end. On NVIDIA atom "
-                      "steps aside for Qwen3-MoE block fp8 (\"fp8 MoE at full depth\").",
-    "moe-fp8-throughput": "Missed, a small win: 1.01x [1.00, 1.03] at C=128 over 3 launches (Qwen3-30B-A3B dims, 48 "
-                          "layers, H200, 2026-12-02, both routers bf16; bench/NOTES.md 72). Profile of one batch "
-                          "(bench/results/h200_2026-12-02/prof_*): kernel time atom 1,667 vs stock 1,684 ms; the "
-                          "grouped expert GEMMs 1,070 ms (atom's gemm1 684 + gemm2 386) vs stock's fused_moe_kernel "
-                          "1,039 ms (vLLM's tuned H200 table): both stream every expert at ~3.5 TB/s, so the "
-                          "experts are within 3 % and the rest (597 vs 645 ms) makes up the 1 %. A 1.15x needs the expert GEMMs "
-                          "nearer the 4.8 TB/s peak (~6 ms per step vs 8.4). Earlier cells are not counted "
-                          "(stock's router was fp8: bench/NOTES.md 68).",
+    "moe-fp8-batch1": "Missed, a 1 % loss at full depth: 0.99x [0.990, 0.995] over 3 launches (Qwen3-30B-A3B dims, 48 "
+                      "layers, H200, 2026-12-02b, both sides' routers bf16; the earlier 0.99x [0.98, 1.00] with "
+                      "atom's older tiles and 2026-12-01's against stock's fp8 router agree). The step is "
+                      "latency-bound on both sides (31-36 % of the board's power at 100 % busy: 3.6 ms per token, "
+                      "where its ~2.8 GB of weights stream in ~0.6 ms); the expert GEMV's gain at the kernel "
+                      "(~0.3 ms of the token) is not seen end to end, and a 2-token batch already runs 1.1x faster "
+                      "on the swapped grouped tiles than on the GEMV (bench/NOTES.md 73; 1 token not measured). "
+                      "On NVIDIA atom steps aside for Qwen3-MoE block fp8 (\"fp8 MoE at full depth\").",
+    "moe-fp8-throughput": "Missed, a win: 1.06x [1.05, 1.17] at C=128 over 3 launches (Qwen3-30B-A3B dims, 48 layers, "
+                          "H200, 2026-12-02b, both routers bf16; per launch 1.14, 1.06, 1.08, the first against a low "
+                          "stock launch). atom's fp8 expert tiles now swap A and B up to 16 pairs per expert "
+                          "(bench/NOTES.md 73): 0.91-0.97x the old tiles' time at the kernel, the grouped GEMMs at "
+                          "~3.7-3.8 TB/s of the H200's 4.2 TB/s measured read bandwidth; end to end atom went from "
+                          "~9,260 to ~9,680 tok/s against stock's ~9,120. Before, 1.01x [1.00, 1.03] with both sides' "
+                          "experts at ~3.5 TB/s (profile: bench/results/h200_2026-12-02/prof_*, kernel time 1,667 vs "
+                          "1,684 ms). With the experts within ~10 % of the read bandwidth the rest of the step has to "
+                          "give the other ~9 %. Earlier cells are not counted (stock's router was fp8: "
+                          "bench/NOTES.md 68; atom's older tiles).",
     "mla-fp8-batch1": "Not decided: 2 launches (1.14x [0.94, 1.23]).",
     "mla-fp8-throughput": "Not decided: 2 launches; the 3.02x is stock's instability (batches stalling up to 3.3 s, "
                           "not profiled), not claimed as a speed-up (\"H100: block-fp8 weights stay fp8\").",

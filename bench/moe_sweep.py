@@ -38,7 +38,7 @@ SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "dsv3": (256, 8, 7168, 2048)}
 DRY_SHAPES = {"qwen3-30b": (16, 4, 256, 128), "dsv3": (16, 4, 256, 256)}
 
 
-def candidates(per_expert: float, fp8: bool, tokens: int = 0):
+def candidates(per_expert: float, fp8: bool, tokens: int = 0, short: bool = False):
     """Candidate tiles for a batch with ``per_expert`` pairs per expert (the default first);
     up to 4 tokens also the small-batch (GEMV) path's tiles."""
     from atom.ops.moe_triton import MoeConfig, gemv_config
@@ -47,6 +47,11 @@ def candidates(per_expert: float, fp8: bool, tokens: int = 0):
     out = []
     if 0 < tokens <= 4:
         out.append(gemv_config(bk if fp8 else None, __import__("torch").bfloat16))
+    if short and fp8:  # entry 73's finalists: the old and the new default, two runners-up
+        if per_expert <= 16:
+            out += [MoeConfig(16, 64, 128, bk, 1, 4, 3), MoeConfig(16, bk, 128, bk, 1, 4, 3, swap_ab=True),
+                    MoeConfig(16, bk, 64, bk, 1, 4, 3, swap_ab=True), MoeConfig(32, bk, 128, bk, 1, 4, 4, swap_ab=True)]
+        return out
     if fp8:
         if per_expert <= 16:
             for n1 in (64, 128):
@@ -153,7 +158,7 @@ def cfg_label(c) -> str:
     return s + (" swap" if c.swap_ab else "")
 
 
-def compile_worker(shard: int, nshards: int, dry: bool) -> int:
+def compile_worker(shard: int, nshards: int, dry: bool, short: bool = False) -> int:
     """Compile (by running once) this shard's share of every (shape, dtype, config): small
     expert counts, since the compiled kernels do not depend on them."""
     import torch
@@ -165,7 +170,7 @@ def compile_worker(shard: int, nshards: int, dry: bool) -> int:
     jobs = []
     for shape, fp8, t, _ in cases(dry):
         e, k, h, i = shapes[shape]
-        for cfg in candidates(t * k / e, fp8, t):
+        for cfg in candidates(t * k / e, fp8, t, short):
             jobs.append((shape, fp8, cfg))
     jobs = list(dict.fromkeys(jobs))[shard::nshards]
     cache: dict = {}
@@ -191,6 +196,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--compile-workers", type=int, default=12)
     p.add_argument("--only", default="", help="comma-separated shape names (default: all)")
     p.add_argument("--no-bf16", action="store_true", help="leave out the bf16 cases")
+    p.add_argument("--short", action="store_true", help="fp8: only entry 73's finalist tiles")
+    p.add_argument("--no-split", action="store_true", help="no per-kernel split (profiler)")
     p.add_argument("--repeat", type=int, default=1, help="time every case this many times (rounds)")
     p.add_argument("--compile-shard", default="", help=argparse.SUPPRESS)  # "i/n": a worker
     args = p.parse_args(argv)
@@ -200,12 +207,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     sys.path.insert(0, str(REPO / "bench"))
     if args.compile_shard:
         i, n = (int(v) for v in args.compile_shard.split("/"))
-        return compile_worker(i, n, args.dry_run)
+        return compile_worker(i, n, args.dry_run, args.short)
 
     t0 = time.time()
     if not args.dry_run and args.compile_workers > 0:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        procs = [subprocess.Popen([sys.executable, __file__, f"--compile-shard={i}/{args.compile_workers}"], env=env)
+        procs = [subprocess.Popen([sys.executable, __file__, f"--compile-shard={i}/{args.compile_workers}"]
+                                  + (["--short"] if args.short else []), env=env)
                  for i in range(args.compile_workers)]
         bad = [p.wait() for p in procs]
         print(f"compiled in {time.time() - t0:.0f} s (workers' exit codes {sorted(set(bad))})", flush=True)
@@ -246,7 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = torch.empty_like(x)
         default = (gemv_config(128 if fp8 else None, torch.bfloat16) if takes_gemv(t, k, e, fp8)
                    else moe_config(t, k, e, 128 if fp8 else None, torch.bfloat16))  # what atom runs
-        cands = candidates(t * k / e, fp8, t)
+        cands = candidates(t * k / e, fp8, t, args.short)
         if default not in cands:
             cands = [default] + cands
         ref = fused_moe_fwd(x, w13, w2, tw, ti, config=default, **kw).clone()
@@ -261,7 +269,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             fn()
             err = (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-9)
             us = timer(fn)
-            split = {} if args.dry_run else kernel_split(torch, fn, timer._flush)
+            split = {} if args.dry_run or args.no_split else kernel_split(torch, fn, timer._flush)
             row = dict(round=rnd, shape=shape, fp8=fp8, tokens=t, routing=routing, experts_used=used,
                        per_expert=t * k / e, config=cfg_label(cfg), default=cfg == default, us=us,
                        split_us=split, bytes=nbytes, GBps=nbytes / us / 1e3 if us else None,
