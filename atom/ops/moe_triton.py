@@ -18,6 +18,10 @@ fused_moe pipeline (one launch each, no host synchronisation):
    and writes one row per (token, slot) pair (or straight into the output when top_k == 1).
 5. ``_moe_sum_kernel``: sums the top_k rows of each token (skipping pairs of absent experts).
 
+With ``MoeConfig.swap_ab`` (fp8 up to 16 pairs per expert) both GEMMs compute the transposed tile,
+``w_tile^T @ a_tile^T``: the expert's weight rows fill the MMA's M side and the few tokens of a
+BLOCK_M block its N side, so Hopper's warpgroup MMA runs where a 16-row token tile could not use it.
+
 Small batches (at most ``ATOM_MOE_GEMV_MAX_TOKENS`` tokens: by default 4, or 2 with fp8
 experts, and no more (token, expert) pairs than experts) take a weight-streaming path instead, with no align kernel: every (pair, row
 tile) program reads its own expert's rows and multiplies them with the one token's activations
