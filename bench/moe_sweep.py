@@ -88,7 +88,7 @@ def cases(dry: bool):
     for t in (32, 64, 128, 256, 512):
         for routing in ("uniform", "zipf"):
             out.append(("qwen3-30b", True, t, routing))
-    for t in (1, 8, 32, 128):
+    for t in (1, 2, 8, 32, 128):
         out.append(("dsv3", True, t, "uniform"))
     for t in (128, 256):
         out.append(("qwen3-30b", False, t, "uniform"))
