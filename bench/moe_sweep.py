@@ -227,10 +227,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     dev = torch.device("cpu" if args.dry_run else "cuda")
     timer = Timer(torch, dev, 2 if args.dry_run else args.iters, True)
     peaks = measure_peaks(torch, dev, timer, args.dry_run)
-    if not args.dry_run:  # a pure read stream: the bound of weight-streaming kernels
-        buf = torch.ones(1 << 28, dtype=torch.float32, device=dev)
-        peaks["read_GBps"] = buf.numel() * 4 / timer(lambda: buf.sum()) / 1e3
-        del buf
     name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
     print(f"{name}: {json.dumps({k: round(v) for k, v in peaks.items()})}", flush=True)
     shapes = DRY_SHAPES if args.dry_run else SHAPES
@@ -244,7 +240,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         key = (shape, fp8)
         if key not in weights:
             weights.clear()
-            torch.cuda.empty_cache() if not args.dry_run else None
+            if not args.dry_run:
+                torch.cuda.empty_cache()
             weights[key] = make_weights(torch, dev, e, h, i, fp8, torch.bfloat16)
         w13, w2, kw = weights[key]
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)

@@ -134,6 +134,28 @@ def _pid_to_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _tile_dot(a, b, acc, SWAP_AB: tl.constexpr, PREC: tl.constexpr):
+    """``a [M, K] @ b [K, N]`` (+ ``acc``), or with A and B swapped, ``b^T @ a^T`` (+ ``acc [N, M]``): the
+    weight tile ``b`` on the MMA's M side (``MoeConfig.swap_ab``). ``acc`` None: the product alone."""
+    if SWAP_AB:  # (one return: Triton checks every return's shape, pruned branches too)
+        out = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PREC)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _tile_scales(a_s, b_s, SWAP_AB: tl.constexpr):
+    """The fp8 scales of a :func:`_tile_dot` product: per row of ``a`` times per column of ``b``, in
+    the product's orientation."""
+    if SWAP_AB:
+        out = b_s[:, None] * a_s[None, :]
+    else:
+        out = a_s[:, None] * b_s[None, :]
+    return out
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _moe_gemm1_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, bias_ptr,
@@ -187,20 +209,11 @@ def _moe_gemm1_kernel(
             a_s = tl.load(as_ptrs + kb, mask=valid, other=0.0)
             s_g = tl.load(sg_ptrs + kb * stride_wsk, mask=nmask, other=0.0)
             s_u = tl.load(su_ptrs + kb * stride_wsk, mask=nmask, other=0.0)
-            if SWAP_AB:
-                at = tl.trans(a)
-                acc_g += tl.dot(tl.trans(bg), at) * (s_g[:, None] * a_s[None, :])
-                acc_u += tl.dot(tl.trans(bu), at) * (s_u[:, None] * a_s[None, :])
-            else:
-                acc_g += tl.dot(a, bg) * (a_s[:, None] * s_g[None, :])
-                acc_u += tl.dot(a, bu) * (a_s[:, None] * s_u[None, :])
-        elif SWAP_AB:
-            at = tl.trans(a)
-            acc_g = tl.dot(tl.trans(bg), at, acc_g, input_precision=PREC)
-            acc_u = tl.dot(tl.trans(bu), at, acc_u, input_precision=PREC)
+            acc_g += _tile_dot(a, bg, None, SWAP_AB, None) * _tile_scales(a_s, s_g, SWAP_AB)
+            acc_u += _tile_dot(a, bu, None, SWAP_AB, None) * _tile_scales(a_s, s_u, SWAP_AB)
         else:
-            acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+            acc_g = _tile_dot(a, bg, acc_g, SWAP_AB, PREC)
+            acc_u = _tile_dot(a, bu, acc_u, SWAP_AB, PREC)
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
@@ -265,14 +278,9 @@ def _moe_gemm2_kernel(
             kb = k0 // BLOCK_K
             a_s = tl.load(as_ptrs + kb)
             b_s = tl.load(s_ptrs + kb * stride_wsk, mask=nmask, other=0.0)
-            if SWAP_AB:
-                acc += tl.dot(tl.trans(b), tl.trans(a)) * (b_s[:, None] * a_s[None, :])
-            else:
-                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
-        elif SWAP_AB:
-            acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PREC)
+            acc += _tile_dot(a, b, None, SWAP_AB, None) * _tile_scales(a_s, b_s, SWAP_AB)
         else:
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+            acc = _tile_dot(a, b, acc, SWAP_AB, PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SWAP_AB:
