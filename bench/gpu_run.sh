@@ -234,6 +234,8 @@ for step in "$@"; do
                 > "$OUT/fp8_gemm.txt" 2>&1; tail -60 "$OUT/fp8_gemm.txt" ;;
         ab) m="${AB_MODEL:-dense}"; l="${AB_LAYERS:-4}"; d="/tmp/atom-e2e-models/$m-L$l-v32000"
             skew="${AB_ROUTER_SKEW:-0}"; [ "$skew" != 0 ] && { d="$d-zipf$skew"; m="$m-zipf$skew"; }
+            # AB_MLA_EXPERTS (mla, default 64): routed experts per MoE layer (DeepSeek-V3's own: 256), label -e<N>
+            [ "$m" = mla ] && [ "${AB_MLA_EXPERTS:-64}" != 64 ] && { d="$d-e$AB_MLA_EXPERTS"; m="$m-e$AB_MLA_EXPERTS"; }
             for w in new old; do
                 src=.stage/tools; [ $w = old ] && src=.stage/tools/old
                 ls $src/atom_vllm-*.whl >/dev/null 2>&1 && [ ! -d /tmp/atom-$w ] && \
