@@ -379,8 +379,9 @@ VARIABLES: dict[str, EnvVar] = {
             "atom's fused MoE on GPUs: batches of at most this many tokens, with no more (token, "
             "expert) pairs than experts, run the small-batch path (two weight-streaming GEMV "
             "kernels, no expert-sort kernel) instead of the grouped GEMMs; 0 = never; auto = 4 "
-            "for bf16/fp16 experts, 2 for block-fp8 experts (where each measured faster on the "
-            "H100, docs/performance.md).",
+            "for bf16/fp16 experts (measured faster on the H100), 1 for block-fp8 experts of at most "
+            "11 MB each and 0 for larger ones (H200: the GEMV 1.2x faster than the grouped tiles at one "
+            "token on Qwen3-30B-A3B's experts, 1.25x slower on DeepSeek-V3's; docs/performance.md).",
             _parse_auto_or_nonneg_int, "auto, or an integer >= 0",
         ),
         EnvVar(

@@ -222,7 +222,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from ops_compute import Timer, measure_peaks
     from atom.ops.moe import fused_moe
-    from atom.ops.moe_triton import fused_moe_fwd, gemv_config, moe_config, takes_gemv
+    from atom.ops.moe_triton import expert_bytes, fused_moe_fwd, gemv_config, moe_config, takes_gemv
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
     timer = Timer(torch, dev, 2 if args.dry_run else args.iters, True)
@@ -249,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         used = int(torch.unique(ti).numel())
         nbytes = used * 3 * h * i * (1 if fp8 else 2) + 2 * t * h * 2
         out = torch.empty_like(x)
-        default = (gemv_config(128 if fp8 else None, torch.bfloat16) if takes_gemv(t, k, e, fp8)
+        default = (gemv_config(128 if fp8 else None, torch.bfloat16) if takes_gemv(t, k, e, fp8, expert_bytes(w13, w2))
                    else moe_config(t, k, e, 128 if fp8 else None, torch.bfloat16))  # what atom runs
         cands = candidates(t * k / e, fp8, t, args.short)
         if default not in cands:

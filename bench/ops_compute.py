@@ -521,14 +521,14 @@ class Bench:
         """atom's default dispatch per batch size; for batches the small-batch (GEMV) path takes,
         also atom's grouped path on the same batch (the before / after of that path)."""
         from atom.ops.moe import fused_moe
-        from atom.ops.moe_triton import fused_moe_fwd, moe_config, takes_gemv
+        from atom.ops.moe_triton import expert_bytes, fused_moe_fwd, moe_config, takes_gemv
 
         batches = [1, 8] if self.dry else [1, 2, 4, 8, 16, 32, 64, 128, 256, 4096]
         name = "moe-fp8" if fp8 else "moe"
         for t in batches:
             args, kw, fields, (experts, top_k) = self._moe_case(t, fp8)
             out = self.torch.empty_like(args[0])
-            gemv = takes_gemv(t, top_k, experts)
+            gemv = takes_gemv(t, top_k, experts, fp8, expert_bytes(args[1], args[2]))
             row = Row(name, f"T={t} E={experts} k={top_k}" + (" gemv" if gemv else ""), **fields)
             self.run_case(row, lambda: fused_moe.run("triton", *args, out=out, **kw),
                           lambda: fused_moe.run("torch", *args, **kw),

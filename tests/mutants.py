@@ -343,7 +343,7 @@ MUTANTS = (
            "counts = warm_up_token_counts(top_k, num_experts)",
            ("tests/ops/test_warm_up.py::test_moe_layer_warm_up_keeps_its_output",)),
     Mutant("moe-gemv-never-taken", "atom/ops/moe_gemv_triton.py",
-           "return num_tokens <= gemv_max_tokens(fp8) and", "return num_tokens < 0 and",
+           "return num_tokens <= gemv_max_tokens(fp8, expert_bytes) and", "return num_tokens < 0 and",
            (MOE + "::test_fused_moe_small_batch_path",)),
     Mutant("moe-gemv-routing-weight", "atom/ops/moe_gemv_triton.py",
            "y = y * tl.load(topk_w_ptr + pair + offs_n * 0, mask=ok_n, other=0.0)",

@@ -1,7 +1,8 @@
 """Triton kernels of the fused MoE's small-batch path (imported by :mod:`atom.ops.moe_triton`).
 
-Batches of at most ``ATOM_MOE_GEMV_MAX_TOKENS`` tokens (auto: 4, or 2 with fp8 experts) and no
-more (token, expert) pairs than experts skip the expert sort and the grouped GEMMs: every
+Batches of at most ``ATOM_MOE_GEMV_MAX_TOKENS`` tokens (auto: 4; fp8 experts: 1, and none past
+``FP8_GEMV_MAX_EXPERT_BYTES`` per expert) and no more (token, expert) pairs than experts skip the
+expert sort and the grouped GEMMs: every
 (pair, row tile) program reads its own expert's rows and multiplies them with the one token's
 activations in registers (a GEMV). See :mod:`atom.ops.moe_triton` for the pipeline.
 """
@@ -185,22 +186,41 @@ def gemv_config(block_k_quant: Optional[int], dtype: torch.dtype = torch.bfloat1
 
 #: ``ATOM_MOE_GEMV_MAX_TOKENS=auto``: the largest batch the small-batch path takes, by expert
 #: weights. Measured on the H100 (docs/performance.md): bf16 experts 1.02-1.05x the grouped
-#: path's speed at T = 1..4, 0.99x at 8; fp8 experts 1.21x at T = 1, 1.03x at 2, 0.94x at 4 and
-#: 0.83x at 8.
-GEMV_AUTO_MAX_TOKENS = {False: 4, True: 2}
+#: path's speed at T = 1..4, 0.99x at 8. fp8 experts on the H200 against the swapped grouped
+#: tiles (bench/NOTES.md 74): Qwen3-30B-A3B's 1.17-1.24x at T = 1, 0.92x at 2.
+GEMV_AUTO_MAX_TOKENS = {False: 4, True: 1}
+
+#: fp8 experts larger than this (bytes of one expert's gate, up and down rows on this rank) never
+#: take the small-batch path under ``auto``: the GEMV streams them at ~2.5-2.8 TB/s where the
+#: swapped grouped tiles reach ~3.1-3.9. H200 (bench/NOTES.md 74), one token: Qwen3-30B-A3B's
+#: experts (4.7 MB) 27 us on the GEMV vs 32.5 grouped, DeepSeek-V3's (44 MB) 141 vs 112.5; a line
+#: through both shapes' times crosses near 11 MB per expert.
+FP8_GEMV_MAX_EXPERT_BYTES = 11 << 20
 
 
-def gemv_max_tokens(fp8: bool = False) -> int:
-    """``ATOM_MOE_GEMV_MAX_TOKENS``: the largest batch the small-batch path takes (0: never)."""
+def gemv_max_tokens(fp8: bool = False, expert_bytes: int = 0) -> int:
+    """``ATOM_MOE_GEMV_MAX_TOKENS``: the largest batch the small-batch path takes (0: never);
+    ``expert_bytes``: one local expert's weight bytes (auto: fp8 experts past
+    ``FP8_GEMV_MAX_EXPERT_BYTES`` never)."""
     limit = envs.ATOM_MOE_GEMV_MAX_TOKENS
-    return GEMV_AUTO_MAX_TOKENS[bool(fp8)] if limit is None else limit
+    if limit is not None:
+        return limit
+    if fp8 and expert_bytes > FP8_GEMV_MAX_EXPERT_BYTES:
+        return 0
+    return GEMV_AUTO_MAX_TOKENS[bool(fp8)]
 
 
-def takes_gemv(num_tokens: int, top_k: int, num_global: int, fp8: bool = False) -> bool:
-    """Whether a batch takes the small-batch (GEMV) path: at most ``gemv_max_tokens(fp8)``
-    tokens and no more (token, expert) pairs than experts (so that few experts' rows are read
-    twice; beyond that the grouped GEMMs share each expert's rows among its tokens)."""
-    return num_tokens <= gemv_max_tokens(fp8) and num_tokens * top_k <= num_global
+def takes_gemv(num_tokens: int, top_k: int, num_global: int, fp8: bool = False, expert_bytes: int = 0) -> bool:
+    """Whether a batch takes the small-batch (GEMV) path: at most ``gemv_max_tokens(fp8,
+    expert_bytes)`` tokens and no more (token, expert) pairs than experts (so that few experts'
+    rows are read twice; beyond that the grouped GEMMs share each expert's rows among its
+    tokens)."""
+    return num_tokens <= gemv_max_tokens(fp8, expert_bytes) and num_tokens * top_k <= num_global
+
+
+def expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
+    """One local expert's weight bytes (gate, up and down rows), as :func:`takes_gemv` takes them."""
+    return (w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()) if w13.shape[0] else 0
 
 
 def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, num_global, w13_scale, w2_scale,

@@ -22,8 +22,8 @@ With ``MoeConfig.swap_ab`` (fp8 up to 16 pairs per expert) both GEMMs compute th
 ``w_tile^T @ a_tile^T``: the expert's weight rows fill the MMA's M side and the few tokens of a
 BLOCK_M block its N side, so Hopper's warpgroup MMA runs where a 16-row token tile could not use it.
 
-Small batches (at most ``ATOM_MOE_GEMV_MAX_TOKENS`` tokens: by default 4, or 2 with fp8
-experts, and no more (token, expert) pairs than experts) take a weight-streaming path instead, with no align kernel: every (pair, row
+Small batches (at most ``ATOM_MOE_GEMV_MAX_TOKENS`` tokens: by default 4; with fp8 experts 1,
+and none past ``FP8_GEMV_MAX_EXPERT_BYTES`` per expert; and no more (token, expert) pairs than experts) take a weight-streaming path instead, with no align kernel: every (pair, row
 tile) program reads its own expert's rows and multiplies them with the one token's activations
 in registers (a GEMV: no tensor cores, no 16-row M tile of which one row is used).
 
@@ -48,7 +48,8 @@ from atom.ops._common import cdiv, next_pow2
 from atom.ops._dispatch import triton_interpreting
 from atom.ops.common_triton import dot_flags, exact_fp8_cast, to_fp8_e4m3
 # the small-batch path (module docstring), its own module
-from atom.ops.moe_gemv_triton import (GEMV_AUTO_MAX_TOKENS, GemvConfig, _fused_moe_gemv,  # noqa: F401
+from atom.ops.moe_gemv_triton import (FP8_GEMV_MAX_EXPERT_BYTES, GEMV_AUTO_MAX_TOKENS, GemvConfig,  # noqa: F401
+                                      _fused_moe_gemv, expert_bytes,
                                       _moe_gemv1_kernel, _moe_gemv2_kernel, gated_act, gemv_config,
                                       gemv_max_tokens, takes_gemv)
 
@@ -460,7 +461,8 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return out
     fp8 = block_shape is not None
     scale_bn, scale_bk = (int(block_shape[0]), int(block_shape[1])) if fp8 else (1, 1)
-    if isinstance(config, GemvConfig) or (config is None and takes_gemv(num_tokens, top_k, num_global, fp8)):
+    if isinstance(config, GemvConfig) or (config is None and takes_gemv(num_tokens, top_k, num_global, fp8,
+                                                                               expert_bytes(w13, w2))):
         return _fused_moe_gemv(
             x, w13, w2, topk_weights, topk_ids, out, expert_map, num_global,
             w13_scale, w2_scale, (scale_bn, scale_bk) if fp8 else None, w13_bias, w2_bias,

@@ -291,14 +291,26 @@ def test_fused_moe_small_batch_limits(monkeypatch, gemv_calls, tokens, experts, 
 
 
 def test_fused_moe_small_batch_auto_limits_and_override(monkeypatch, gemv_calls):
-    """auto: up to 2 tokens with fp8 experts (3 go grouped), up to 4 with bf16; an explicit
-    ATOM_MOE_GEMV_MAX_TOKENS overrides both."""
-    for tokens, fp8, want in ((2, True, 1), (3, True, 0), (4, False, 1), (5, False, 0)):
+    """auto: 1 token with fp8 experts (2 go grouped), up to 4 with bf16; fp8 experts past
+    FP8_GEMV_MAX_EXPERT_BYTES (the weights' own bytes per expert) go grouped at one token too;
+    an explicit ATOM_MOE_GEMV_MAX_TOKENS overrides all of it."""
+    from atom.ops import moe_gemv_triton
+
+    for tokens, fp8, want in ((1, True, 1), (2, True, 0), (4, False, 1), (5, False, 0)):
         gemv_calls.clear()
         args, kw = make_moe(tokens, 256, 128, 16, 2, torch.bfloat16, seed=tokens,
                             fp8_block=(128, 128) if fp8 else None)
         run_moe(args, kw)
         assert len(gemv_calls) == want, (tokens, fp8)
+    per_expert = 256 * 256 + 256 * 128  # fp8 bytes of one expert: w13 [256, 256] + w2 [256, 128]
+    for limit, want in ((per_expert, 1), (per_expert - 1, 0)):
+        monkeypatch.setattr(moe_gemv_triton, "FP8_GEMV_MAX_EXPERT_BYTES", limit)
+        gemv_calls.clear()
+        args, kw = make_moe(1, 256, 128, 16, 2, torch.bfloat16, seed=1, fp8_block=(128, 128))
+        out, ref = run_moe(args, kw)
+        assert len(gemv_calls) == want, limit
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), atol=0.03 * scale, rtol=0.05)
     monkeypatch.setenv("ATOM_MOE_GEMV_MAX_TOKENS", "8")
     gemv_calls.clear()
     args, kw = make_moe(8, 256, 128, 16, 2, torch.bfloat16, seed=8, fp8_block=(128, 128))
@@ -306,6 +318,18 @@ def test_fused_moe_small_batch_auto_limits_and_override(monkeypatch, gemv_calls)
     assert len(gemv_calls) == 1
     scale = ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), atol=0.01 * scale, rtol=0.02)
+
+
+def test_fp8_gemv_limit_by_expert_size():
+    """The auto rule at the sizes it was measured on: Qwen3-30B-A3B's fp8 experts (4.7 MB) take
+    the GEMV at one token, DeepSeek-V3's (44 MB) and Qwen3-235B-A22B's (19 MB) never; bf16 experts
+    of any size keep the 4-token limit."""
+    from atom.ops.moe_gemv_triton import takes_gemv
+
+    qwen3, dsv3, q235 = 3 * 2048 * 768, 3 * 7168 * 2048, 3 * 4096 * 1536
+    assert takes_gemv(1, 8, 128, True, qwen3) and not takes_gemv(2, 8, 128, True, qwen3)
+    assert not takes_gemv(1, 8, 256, True, dsv3) and not takes_gemv(1, 8, 128, True, q235)
+    assert takes_gemv(4, 8, 256, False, 2 * dsv3) and not takes_gemv(5, 8, 256, False, 2 * dsv3)
 
 
 def test_fused_moe_small_batch_equals_grouped_path():
@@ -351,13 +375,15 @@ def test_fused_moe_small_batch_expert_map_and_bad_ids(gemv_calls):
 @pytest.mark.parametrize("hidden,inter,block,producer_quant", [
     (256, 192, (128, 128), False), (200, 192, (64, 128), False), (256, 128, (128, 128), True),
     (200, 136, (128, 64), True)])
-def test_fused_moe_small_batch_fp8(gemv_calls, hidden, inter, block, producer_quant):
+def test_fused_moe_small_batch_fp8(monkeypatch, gemv_calls, hidden, inter, block, producer_quant):
     """fp8 block-scaled experts on the small-batch path: partial edge blocks (hidden 200 and
     inter 136 are not multiples of the block), a row tile narrower than the scale block, the
     activations quantised in the kernel or by their producer (``x_fp8``). The reference
-    quantises the activations the same way, so the agreement is close to exact."""
+    quantises the activations the same way, so the agreement is close to exact. Two tokens
+    (ATOM_MOE_GEMV_MAX_TOKENS=2; auto takes one with fp8): each pair's own token row."""
     from atom.ops.moe_triton import group_quant_fp8
 
+    monkeypatch.setenv("ATOM_MOE_GEMV_MAX_TOKENS", "2")
     args, kw = make_moe(2, hidden, inter, 8, 2, torch.bfloat16, seed=hidden + inter, fp8_block=block)
     if producer_quant:
         xq, xs = group_quant_fp8(args[0], block[1])
@@ -376,7 +402,7 @@ def test_fused_moe_small_batch_gpt_oss(gemv_calls):
     out, ref = run_moe(args, gpt_oss_kwargs(args, seed=3, limit=1.5))
     scale = ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * max(scale, 1.0), rtol=2e-2)
-    args, kw = make_moe(2, 256, 128, 4, 2, torch.bfloat16, seed=9, fp8_block=(128, 128))
+    args, kw = make_moe(1, 256, 128, 4, 2, torch.bfloat16, seed=9, fp8_block=(128, 128))
     out, ref = run_moe(args, dict(kw, **gpt_oss_kwargs(args, seed=2, limit=1.0)))
     scale = ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), atol=0.01 * scale, rtol=0.02)
