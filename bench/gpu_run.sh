@@ -76,7 +76,10 @@
 #            MoE; the sides start one after another). AB_FILL_PARALLEL=1 (bench/ab.py --overlap-starts): a side
 #            starts once the one before has sized its KV cache, so their JIT warm-ups overlap and one command
 #            fills both sides of a full-depth fp8 cell (AB_ROUNDS=0); with rounds every launch starts so, and
-#            the windows begin once all sides are ready. AB_FRESH_COMPILE=1:
+#            the windows begin once all sides are ready. With AB_DUMMY=1 and fp8, a later side's load holds its
+#            weights plus 3 bytes per element of its largest fp8 parameter (vLLM's dummy loader draws each through
+#            an fp16 copy; 21 GiB for a 256-expert DeepSeek-V3 w13) in its allocator until its KV sizing: keep that
+#            under what the first side leaves (AB_MLA_EXPERTS=256 fits at AB_LAYERS=4, not 5: bench/NOTES.md 75). AB_FRESH_COMPILE=1:
 #            every side's torch.compile cache removed before each launch (bench/ab.py --fresh-compile: each launch
 #            compiles and autotunes anew, an independent draw; DeepGEMM / FlashInfer JIT caches stay). AB_SWITCH_SIDE=NAME:KEY=VALUE,... (a comma inside a value: \,): one more side, atom's
 #            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0; several separated by ';'). AB_ARRIVALS=continuous: C requests

@@ -466,8 +466,9 @@ WHY = {
                       "atom's older tiles and 2026-12-01's against stock's fp8 router agree). The step is "
                       "latency-bound on both sides (31-36 % of the board's power at 100 % busy: 3.6 ms per token, "
                       "where its ~2.8 GB of weights stream in ~0.6 ms); the expert GEMV's gain at the kernel "
-                      "(~0.3 ms of the token) is not seen end to end, and a 2-token batch already runs 1.1x faster "
-                      "on the swapped grouped tiles than on the GEMV (bench/NOTES.md 73; 1 token not measured). "
+                      "(~0.3 ms of the token) is not seen end to end; at one token the GEMV stays 1.17-1.24x faster "
+                      "than the swapped grouped tiles on these experts (2-token batches now take the tiles, 1.08x: "
+                      "bench/NOTES.md 74). "
                       "On NVIDIA atom steps aside for Qwen3-MoE block fp8 (\"fp8 MoE at full depth\").",
     "moe-fp8-throughput": "Missed, a win: 1.06x [1.05, 1.17] at C=128 over 3 launches (Qwen3-30B-A3B dims, 48 layers, "
                           "H200, 2026-12-02b, both routers bf16; per launch 1.14, 1.06, 1.08, the first against a low "
@@ -479,9 +480,15 @@ WHY = {
                           "1,684 ms). With the experts within ~10 % of the read bandwidth the rest of the step has to "
                           "give the other ~9 %. Earlier cells are not counted (stock's router was fp8: "
                           "bench/NOTES.md 68; atom's older tiles).",
-    "mla-fp8-batch1": "Not decided: 2 launches (1.14x [0.94, 1.23]).",
+    "mla-fp8-batch1": "Not decided: 2 launches (1.14x [0.94, 1.23]; H100, 2026-11-24, atom's own MLA kernel then, stock "
+                      "without FlashInfer). The 3-launch cell at DeepSeek-V3's 256 experts (2026-12-02c) did not start: "
+                      "the cold fill ran out of memory in vLLM's dummy loader (its fp16 copy of each fp8 parameter "
+                      "while the other side captured graphs; bench/NOTES.md 75, which plans it at 4 layers). Since "
+                      "then atom's DeepSeek-V3 fp8 experts take the grouped tiles at one token, 1.25x faster than "
+                      "its GEMV at the kernel (bench/NOTES.md 74).",
     "mla-fp8-throughput": "Not decided: 2 launches; the 3.02x is stock's instability (batches stalling up to 3.3 s, "
-                          "not profiled), not claimed as a speed-up (\"H100: block-fp8 weights stay fp8\").",
+                          "not profiled), not claimed as a speed-up (\"H100: block-fp8 weights stay fp8\"). The "
+                          "3-launch cell did not start (as the batch-1 row: bench/NOTES.md 75).",
     "mla-fp8-memory": "Met; MLA's kv_b_proj stays dequantised for the absorbed decode: +16.8 MB per layer at "
                       "DeepSeek-V3 dims (1.02 GB over 61 layers).",
 }
