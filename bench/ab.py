@@ -45,6 +45,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
+from e2e_models import dummy_load_peak
+
 HERE = Path(__file__).resolve().parent
 #: nvidia-smi clocks_event_reasons bits that mean the clocks were held down (SW power cap,
 #: HW slowdown, SW/HW thermal, power brake).
@@ -166,6 +168,38 @@ def weight_gib(log: str) -> Optional[float]:
     return float(found[-1]) if found else None
 
 
+#: GiB a later side's dummy load held beyond its weights and the dummy loader's fp8 copy, observed once
+#: (DeepSeek-V3 dims, 5 layers of 256 experts, block fp8: 77.65 GiB = 44.5 + 21.0 + 12.2; bench/NOTES.md 75):
+#: CUDA context, warm-up buffers, the allocator's fragmentation.
+DUMMY_LOAD_EXTRA_GIB = 12.0
+
+
+def dummy_load_fits(model: str, gpu_util: float, total_gib: Optional[float]) -> Optional[str]:
+    """None when a later side's dummy load of ``model`` fits beside an earlier side that holds
+    ``gpu_util`` of the GPU's ``total_gib``; else why not (``e2e_models.dummy_load_peak``: a cold
+    fill that runs out of memory there costs a full command)."""
+    if total_gib is None:
+        return None
+    peak = dummy_load_peak(Path(model))
+    need = peak["weights"] + peak["dummy_copy"] + DUMMY_LOAD_EXTRA_GIB
+    room = total_gib * (1 - gpu_util)
+    if need <= room:
+        return None
+    return (f"a later side's dummy load needs ~{need:.1f} GiB (weights {peak['weights']:.1f} + the dummy loader's "
+            f"fp8 copy {peak['dummy_copy']:.1f} + {DUMMY_LOAD_EXTRA_GIB:.0f} observed) where the earlier side leaves "
+            f"{room:.1f} of {total_gib:.1f} GiB (--gpu-util {gpu_util}): fewer layers or a lower --gpu-util "
+            "(bench/NOTES.md 75), or --no-memory-check")
+
+
+def _gpu_total_gib() -> Optional[float]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return int(out[0]) / 1024 if out else None
+    except (FileNotFoundError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
 def _gpu_used_mib() -> Optional[int]:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
@@ -256,6 +290,9 @@ def main(argv: list[str]) -> int:
                         "overlap (a cache fill of two slow-starting sides in one command with --rounds 0; "
                         "with rounds, every launch starts so and the windows begin once all are ready)")
     p.add_argument("--gpu-util", type=float, default=0.28)
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="start the sides even where a later side's dummy load looks too large to fit "
+                        "beside the earlier ones (dummy_load_fits)")
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--engine", default="{}", help="JSON engine arguments for every side")
@@ -276,6 +313,11 @@ def main(argv: list[str]) -> int:
     logdir = Path(args.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
     order = [name for name, _ in sides]
+    if spec["engine"].get("load_format") == "dummy" and len(sides) > 1 and not args.no_memory_check:
+        why = dummy_load_fits(args.model, args.gpu_util, _gpu_total_gib())
+        if why:
+            print(f"[ab] not started: {why}", flush=True)
+            return 2
     if args.rounds == 0:  # start-up only: fills the JIT / compile caches for a later run
         procs, facts, logs = _start(sides, spec, logdir, "", overlap=args.overlap_starts)
         _stop(procs)

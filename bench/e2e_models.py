@@ -301,6 +301,34 @@ def fp8_quantization_config(block: tuple[int, int], config: Optional[dict] = Non
     return quant
 
 
+def dummy_load_peak(folder: Path) -> dict[str, float]:
+    """GiB one engine holds at the peak of a ``load_format="dummy"`` load of checkpoint ``folder``
+    (its config.json): ``weights`` (block-fp8 projections and experts 1 byte per element, the rest
+    bf16) and ``dummy_copy``, 3 bytes per element of the largest fp8 parameter: vLLM's
+    ``initialize_single_dummy_weight`` draws an fp8 parameter through an fp16 copy and then an fp8
+    one (bench/NOTES.md 75), which the engine's allocator keeps reserved while the load goes on.
+    Parameters as transformers builds them (fused experts; vLLM also fuses some projections, which
+    changes no byte count and only makes the largest parameter larger where it fuses two fp8 ones)."""
+    import math
+
+    import transformers
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    fp8 = quant.get("quant_method") == "fp8"
+    kept = tuple(quant.get("modules_to_not_convert") or ())
+    weights = largest = 0
+    for name, shape in _model_shapes(transformers.AutoConfig.from_pretrained(folder)).items():
+        module = name.rsplit(".", 1)[0]
+        quantised = (fp8 and len(shape) >= 2 and not name.startswith(("model.embed_tokens", "lm_head"))
+                     and not module.endswith("mlp.gate")  # routers: unquantised in vLLM's MoE models
+                     and not any(module == k or module.startswith(k + ".") for k in kept))
+        n = math.prod(shape)
+        weights += n * (1 if quantised else 2)
+        largest = max(largest, n if quantised else 0)
+    return {"weights": weights / 2 ** 30, "dummy_copy": 3 * largest / 2 ** 30}
+
+
 def unconverted_modules(config: dict) -> list[str]:
     """The modules a block-fp8 release of this architecture keeps unquantised and lists (Qwen3-MoE:
     ``lm_head`` and each sparse layer's ``mlp.gate``; the norms it also lists are not linear layers).

@@ -475,3 +475,32 @@ def test_overlapped_starts_wait_for_the_kv_cache_line_of_the_side_before(tmp_pat
         assert ev["stock"]["start"] + 1.0 <= ev["atom"]["start"] < ev["stock"]["ready"]
     else:
         assert ev["atom"]["start"] >= ev["stock"]["ready"]
+
+
+def test_dummy_load_estimate_and_the_memory_check_before_any_side_starts(tmp_path, monkeypatch, capsys):
+    """e2e_models.dummy_load_peak against what vLLM 0.26 reported on an H200 (bench/NOTES.md 75:
+    stock's "Model loading took 44.48 GiB" at DeepSeek-V3 dims, 5 layers of 256 experts, block fp8;
+    28.15 GiB for Qwen3-30B-A3B dims at 48 layers) and the dummy loader's fp16 + fp8 copy of the
+    largest expert tensor; ab.py refuses the 5-layer cell that ran out of memory at --gpu-util 0.45
+    (no engine started) and lets the 4-layer one through."""
+    e2e_models = load_bench("e2e_models")
+    dirs = {}
+    for name, layers, experts in (("mla", 5, 256), ("mla", 4, 256), ("moe", 48, 64)):
+        dirs[name, layers] = tmp_path / f"{name}{layers}"
+        e2e_models.build_model(name, layers, dirs[name, layers], 32000, experts, 0.02, block_fp8=(128, 128),
+                               weights=False)
+    peak5 = e2e_models.dummy_load_peak(dirs["mla", 5])
+    assert abs(peak5["weights"] - 44.48) < 0.02 * 44.48 and peak5["dummy_copy"] == 21.0  # 3 x 256 x 4096 x 7168 B
+    assert abs(e2e_models.dummy_load_peak(dirs["moe", 48])["weights"] - 28.15) < 0.02 * 28.15
+    h200 = 139.8
+    assert ab.dummy_load_fits(str(dirs["mla", 5]), 0.45, h200) is not None
+    assert ab.dummy_load_fits(str(dirs["mla", 4]), 0.45, h200) is None
+    assert ab.dummy_load_fits(str(dirs["moe", 48]), 0.42, h200) is None  # the full-depth Qwen3-MoE fp8 cell
+    assert ab.dummy_load_fits(str(dirs["mla", 5]), 0.45, None) is None  # no nvidia-smi: no check
+
+    monkeypatch.setattr(ab, "_gpu_total_gib", lambda: h200)
+    monkeypatch.setattr(ab, "_start", lambda *a, **k: pytest.fail("a side started"))
+    argv = ["--model", str(dirs["mla", 5]), "--side", "stock:", "--side", "atom:", "--gpu-util", "0.45",
+            "--rounds", "0", "--engine", json.dumps({"load_format": "dummy"}), "--logdir", str(tmp_path / "logs")]
+    assert ab.main(argv) == 2
+    assert "not started" in capsys.readouterr().out
