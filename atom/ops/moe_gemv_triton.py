@@ -2,9 +2,9 @@
 
 Batches of at most ``ATOM_MOE_GEMV_MAX_TOKENS`` tokens (auto: 4; fp8 experts: 1, and none past
 ``FP8_GEMV_MAX_EXPERT_BYTES`` per expert) and no more (token, expert) pairs than experts skip the
-expert sort and the grouped GEMMs: every
-(pair, row tile) program reads its own expert's rows and multiplies them with the one token's
-activations in registers (a GEMV). See :mod:`atom.ops.moe_triton` for the pipeline.
+expert sort and the grouped GEMMs: every (pair, row tile) program reads its own expert's rows and
+multiplies them with the one token's activations in registers (a GEMV). See
+:mod:`atom.ops.moe_triton` for the pipeline.
 """
 
 from __future__ import annotations

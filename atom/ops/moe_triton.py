@@ -23,9 +23,10 @@ With ``MoeConfig.swap_ab`` (fp8 up to 16 pairs per expert) both GEMMs compute th
 BLOCK_M block its N side, so Hopper's warpgroup MMA runs where a 16-row token tile could not use it.
 
 Small batches (at most ``ATOM_MOE_GEMV_MAX_TOKENS`` tokens: by default 4; with fp8 experts 1,
-and none past ``FP8_GEMV_MAX_EXPERT_BYTES`` per expert; and no more (token, expert) pairs than experts) take a weight-streaming path instead, with no align kernel: every (pair, row
-tile) program reads its own expert's rows and multiplies them with the one token's activations
-in registers (a GEMV: no tensor cores, no 16-row M tile of which one row is used).
+and none past ``FP8_GEMV_MAX_EXPERT_BYTES`` per expert; and no more (token, expert) pairs than
+experts) take a weight-streaming path instead, with no align kernel: every (pair, row tile)
+program reads its own expert's rows and multiplies them with the one token's activations in
+registers (a GEMV: no tensor cores, no 16-row M tile of which one row is used).
 
 1. ``_moe_gemv1_kernel``: gate and up rows of ``w13`` for one pair (fp8: tile scales applied
    in registers, the activations quantised per 1 x block_k group as the grouped path does),

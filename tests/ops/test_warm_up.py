@@ -107,18 +107,19 @@ def _not_specialised(kernel) -> list[str]:
 
 
 @pytest.mark.parametrize("top_k,experts", [(8, 128), (8, 64), (2, 8), (8, 256), (1, 16), (4, 32)])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_moe_warm_up_counts_meet_every_tile_config(monkeypatch, top_k, experts, fp8):
+@pytest.mark.parametrize("fp8,expert_bytes", [(False, 0), (True, 0), (True, 44 << 20)])
+def test_moe_warm_up_counts_meet_every_tile_config(monkeypatch, top_k, experts, fp8, expert_bytes):
     """The warm-up sizes meet every (tile config, align CHUNK) pair, and the small-batch path,
     that any batch of up to 8,192 tokens would (H100 configs: the interpreter's tiny tiles are
-    switched off here)."""
+    switched off here); also for fp8 experts too large for the small-batch path (DeepSeek-V3's
+    44 MB: one token goes to the grouped tiles)."""
     from atom.ops import moe_triton as mt
 
     monkeypatch.setattr(mt, "triton_interpreting", lambda: False)
     quant = 128 if fp8 else None
 
     def variant(t: int):
-        if mt.takes_gemv(t, top_k, experts):  # the small-batch path: one variant per layer
+        if mt.takes_gemv(t, top_k, experts, fp8, expert_bytes):  # the small-batch path: one variant per layer
             return mt.gemv_config(quant, torch.bfloat16)
         return mt.moe_config(t, top_k, experts, quant, torch.bfloat16), mt.align_chunk(t * top_k)
 
