@@ -40,13 +40,17 @@ DRY_SHAPES = {"qwen3-30b": (16, 4, 256, 128), "dsv3": (16, 4, 256, 256)}
 
 def candidates(per_expert: float, fp8: bool, tokens: int = 0, short: bool = False):
     """Candidate tiles for a batch with ``per_expert`` pairs per expert (the default first);
-    up to 4 tokens also the small-batch (GEMV) path's tiles."""
-    from atom.ops.moe_triton import MoeConfig, gemv_config
+    up to 4 tokens also the small-batch (GEMV) path's default tile, and with ``short`` fp8 up to
+    2 tokens six more GEMV tiles."""
+    from atom.ops.moe_triton import GemvConfig, MoeConfig, gemv_config
 
     bk = 128
     out = []
     if 0 < tokens <= 4:
         out.append(gemv_config(bk if fp8 else None, __import__("torch").bfloat16))
+    if short and fp8 and 0 < tokens <= 2:  # the fp8 GEMV's own tiles (bench/NOTES.md 76): wider rows, deeper K steps
+        out += [GemvConfig(n1, n2, bk, g, w) for n1, n2, g, w in
+                ((16, 32, 4, 4), (32, 64, 4, 4), (8, 16, 8, 4), (16, 32, 8, 8), (32, 64, 2, 8), (64, 64, 4, 8))]
     if short and fp8:  # entry 73's finalists: the old and the new default, two runners-up
         if per_expert <= 16:
             out += [MoeConfig(16, 64, 128, bk, 1, 4, 3), MoeConfig(16, bk, 128, bk, 1, 4, 3, swap_ab=True),
@@ -81,7 +85,7 @@ def cases(dry: bool):
     """(shape, fp8, tokens, routing) in the sweep's order."""
     if dry:
         return [("qwen3-30b", True, 8, "uniform"), ("qwen3-30b", True, 8, "zipf"),
-                ("qwen3-30b", False, 8, "uniform")]
+                ("qwen3-30b", False, 8, "uniform"), ("dsv3", True, 1, "uniform")]
     out = []
     for t in (1, 2, 3, 4, 8, 16):  # 1-2: the fp8 GEMV path's batches (atom's default there)
         out.append(("qwen3-30b", True, t, "uniform"))

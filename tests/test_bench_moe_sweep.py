@@ -29,6 +29,13 @@ def test_every_case_times_atoms_default_tiles_and_the_finalists(monkeypatch):
             # entry 73: the tiles before and after the change are both finalists
             assert MoeConfig(16, 64, 128, 128, 1, 4, 3) in short and default in short
             assert default.swap_ab
+    # up to 2 tokens the short fp8 list also sweeps the GEMV's own tiles (bench/NOTES.md 76)
+    from atom.ops.moe_triton import GemvConfig, gemv_config
+
+    for t in (1, 2):
+        gemvs = [c for c in sweep.candidates(t * 8 / 256, True, t, short=True) if isinstance(c, GemvConfig)]
+        assert len(gemvs) == 7 and gemv_config(128) in gemvs
+    assert not any(isinstance(c, GemvConfig) for c in sweep.candidates(3 * 8 / 256, True, 3, short=True)[1:])
     labels = {sweep.cfg_label(c) for c in sweep.candidates(8, True, 4)}
     assert any(lb.startswith("gemv ") for lb in labels) and any(lb.endswith(" swap") for lb in labels)
     assert len(labels) == len(sweep.candidates(8, True, 4))
