@@ -48,9 +48,10 @@ def candidates(per_expert: float, fp8: bool, tokens: int = 0, short: bool = Fals
     out = []
     if 0 < tokens <= 4:
         out.append(gemv_config(bk if fp8 else None, __import__("torch").bfloat16))
-    if short and fp8 and 0 < tokens <= 2:  # the fp8 GEMV's own tiles (bench/NOTES.md 76): wider rows, deeper K steps
+    if short and fp8 and 0 < tokens <= 2:  # the fp8 GEMV's own tiles (bench/NOTES.md 76): fewer registers per
+        # thread than the default's ~250 (more programs per SM), or more rows per program; none spills (sm_90 offline)
         out += [GemvConfig(n1, n2, bk, g, w) for n1, n2, g, w in
-                ((16, 32, 4, 4), (32, 64, 4, 4), (8, 16, 8, 4), (16, 32, 8, 8), (32, 64, 2, 8), (64, 64, 4, 8))]
+                ((8, 16, 2, 4), (8, 16, 1, 4), (8, 16, 4, 8), (16, 32, 2, 8), (32, 32, 1, 8), (16, 32, 2, 4))]
     if short and fp8:  # entry 73's finalists: the old and the new default, two runners-up
         if per_expert <= 16:
             out += [MoeConfig(16, 64, 128, bk, 1, 4, 3), MoeConfig(16, bk, 128, bk, 1, 4, 3, swap_ab=True),
