@@ -191,22 +191,23 @@ def dummy_load_fits(model: str, gpu_util: float, total_gib: Optional[float]) -> 
             "(bench/NOTES.md 75), or --no-memory-check")
 
 
-def _gpu_total_gib() -> Optional[float]:
+def _gpu_memory_mib(field: str) -> Optional[int]:
+    """nvidia-smi's ``memory.<field>`` of the first GPU in MiB (None without nvidia-smi)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
-        return int(out[0]) / 1024 if out else None
-    except (FileNotFoundError, subprocess.TimeoutExpired, ValueError):
-        return None
-
-
-def _gpu_used_mib() -> Optional[int]:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30).stdout.split()
         return int(out[0]) if out else None
     except (FileNotFoundError, subprocess.TimeoutExpired, ValueError):
         return None
+
+
+def _gpu_total_gib() -> Optional[float]:
+    total = _gpu_memory_mib("total")
+    return None if total is None else total / 1024
+
+
+def _gpu_used_mib() -> Optional[int]:
+    return _gpu_memory_mib("used")
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -313,16 +313,17 @@ def dummy_load_peak(folder: Path) -> dict[str, float]:
 
     import transformers
 
+    from atom.testing.tiny_models import _is_quantized  # the rule the checkpoint writers quantise by
+
     config = json.loads((Path(folder) / "config.json").read_text())
     quant = config.get("quantization_config") or {}
     fp8 = quant.get("quant_method") == "fp8"
-    kept = tuple(quant.get("modules_to_not_convert") or ())
+    kept = list(quant.get("modules_to_not_convert") or ())
     weights = largest = 0
     for name, shape in _model_shapes(transformers.AutoConfig.from_pretrained(folder)).items():
-        module = name.rsplit(".", 1)[0]
-        quantised = (fp8 and len(shape) >= 2 and not name.startswith(("model.embed_tokens", "lm_head"))
-                     and not module.endswith("mlp.gate")  # routers: unquantised in vLLM's MoE models
-                     and not any(module == k or module.startswith(k + ".") for k in kept))
+        # fused experts (``mlp.experts.gate_up_proj``) carry no ``.weight`` suffix in memory
+        quantised = fp8 and len(shape) >= 2 and _is_quantized(
+            name if name.endswith(".weight") else name + ".weight", kept)
         n = math.prod(shape)
         weights += n * (1 if quantised else 2)
         largest = max(largest, n if quantised else 0)

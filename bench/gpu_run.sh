@@ -50,7 +50,8 @@
 #            DeepGEMM vs bf16 cuBLAS; FP8GEMM_ARGS, default --sweep) -> $OUT/fp8_gemm.json, .txt
 #   ab       bench/ab.py (the speed protocol: sides alive at once on the GPU, interleaved windows,
 #            bootstrap intervals, clocks) on AB_MODEL (dense | moe | mla, AB_LAYERS default 4; mla:
-#            AB_MLA_EXPERTS routed experts, default 64, DeepSeek-V3's 256; built under /tmp/atom-e2e-models), 128/128 at C=AB_CONC (default 32), AB_ROUNDS (5)
+#            AB_MLA_EXPERTS routed experts, default 64, DeepSeek-V3's 256; built under
+#            /tmp/atom-e2e-models), 128/128 at C=AB_CONC (default 32), AB_ROUNDS (5)
 #            windows of AB_WINDOW s (15), after AB_WARMUP s (5) unmeasured per side, cell and launch.
 #            Sides: stock (atom installed, ATOM_DISABLE_VLLM_PLUGIN=1),
 #            atom (the wheel in .stage/tools, installed into /tmp/atom-new) and, when
@@ -79,7 +80,8 @@
 #            the windows begin once all sides are ready. With AB_DUMMY=1 and fp8, a later side's load holds its
 #            weights plus 3 bytes per element of its largest fp8 parameter (vLLM's dummy loader draws each through
 #            an fp16 copy; 21 GiB for a 256-expert DeepSeek-V3 w13) in its allocator until its KV sizing: keep that
-#            under what the first side leaves (AB_MLA_EXPERTS=256 fits at AB_LAYERS=4, not 5: bench/NOTES.md 75). AB_FRESH_COMPILE=1:
+#            under what the first side leaves (AB_MLA_EXPERTS=256 fits at AB_LAYERS=4, not 5: bench/NOTES.md 75;
+#            bench/ab.py checks it before starting). AB_FRESH_COMPILE=1:
 #            every side's torch.compile cache removed before each launch (bench/ab.py --fresh-compile: each launch
 #            compiles and autotunes anew, an independent draw; DeepGEMM / FlashInfer JIT caches stay). AB_SWITCH_SIDE=NAME:KEY=VALUE,... (a comma inside a value: \,): one more side, atom's
 #            new wheel with those variables (e.g. cublas:ATOM_BF16_GEMV=0; several separated by ';'). AB_ARRIVALS=continuous: C requests

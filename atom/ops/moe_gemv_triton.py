@@ -219,8 +219,9 @@ def takes_gemv(num_tokens: int, top_k: int, num_global: int, fp8: bool = False, 
 
 
 def expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
-    """One local expert's weight bytes (gate, up and down rows), as :func:`takes_gemv` takes them."""
-    return (w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()) if w13.shape[0] else 0
+    """One local expert's weight bytes (gate, up and down rows), as :func:`takes_gemv` takes them
+    (shape arithmetic only: it runs on every call's host path)."""
+    return w13.shape[1] * w13.shape[2] * w13.element_size() + w2.shape[1] * w2.shape[2] * w2.element_size()
 
 
 def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, num_global, w13_scale, w2_scale,
