@@ -45,6 +45,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
+from ab_worker import ROUTER_FLOAT_DTYPES
 from e2e_models import dummy_load_peak
 
 HERE = Path(__file__).resolve().parent
@@ -311,6 +312,9 @@ def main(argv: list[str]) -> int:
     spec = {"model": args.model, "gpu_util": args.gpu_util, "conc": max(concs), "in_len": args.in_len,
             "out_len": args.out_len, "vocab": args.vocab, "engine": json.loads(args.engine),
             "max_model_len": args.max_model_len or args.in_len + args.out_len + 16, "arrivals": args.arrivals}
+    # vLLM's dummy routers route every DeepSeek-V3 token to the same experts, and differ by dtype
+    # across sides: each side's worker redraws them, the same values everywhere (ab_worker.draw_routers)
+    spec["draw_routers"] = spec["engine"].get("load_format") == "dummy"
     logdir = Path(args.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
     order = [name for name, _ in sides]
@@ -494,13 +498,24 @@ def _window(proc: subprocess.Popen, log: Path, seed: int, seconds: float, conc: 
 
 def router_mismatch(facts: dict[str, dict]) -> str:
     """Why the sides did not serve the same model, as far as their MoE routers show (bench/ab_worker.py
-    ``router_facts``: one side's routers quantised, another's not, or a side without the routers the
-    others have), or "" when they agree. Weight values are not compared: atom may repack weights and
-    dummy weights are drawn per side."""
-    seen = {name: (f.get("routers") or {}).get("dtypes") for name, f in facts.items()}
-    if len({tuple(d) if d else None for d in seen.values()}) <= 1:
-        return ""
-    return "the sides' MoE routers differ: " + ", ".join(f"{n} {'/'.join(d) if d else 'none'}" for n, d in seen.items())
+    ``router_facts``), or "" when they agree: one side's routers quantised and another's not, a side
+    without the routers the others have, or routers that hold other values (their checksums, exact
+    float64 sums that agree whenever the values do: a bf16 checkpoint's router held in float32 by one
+    side and bf16 by the other is the same router). Records written before the checksum existed are
+    compared by quantisation alone."""
+    seen = {name: f.get("routers") or None for name, f in facts.items()}
+
+    def quantised(r: dict) -> bool:
+        return r.get("quantised", any(d not in ROUTER_FLOAT_DTYPES for d in r.get("dtypes") or ()))
+
+    if len({None if r is None else quantised(r) for r in seen.values()}) > 1:
+        return "the sides' MoE routers differ: " + ", ".join(
+            f"{n} {'/'.join(r['dtypes']) if r else 'none'}" for n, r in seen.items())
+    sums = {n: r.get("checksum") for n, r in seen.items() if r is not None}
+    if None not in sums.values() and len(set(sums.values())) > 1:
+        return "the sides' MoE routers hold other values: " + ", ".join(
+            f"{n} {'/'.join(seen[n]['dtypes'])} checksum {c}" for n, c in sums.items())
+    return ""
 
 
 def _record(args: Any, sides: list, order: list[str], conc: int, results: dict[str, list[dict]],

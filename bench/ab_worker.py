@@ -139,19 +139,78 @@ def distinct_per_step(token_ids: list) -> list[int]:
     return [len({t[j] for t in token_ids if len(t) > j}) for j in range(length)]
 
 
+#: The floating dtypes a router may hold its weights in and still be the checkpoint's router (a
+#: bf16 checkpoint's values are exact in float32); anything else (fp8, int) is a quantised router.
+ROUTER_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+#: The standard deviation of the router weights :func:`draw_routers` draws: the checkpoint
+#: builder's ``init_std`` (bench/e2e_models.py), so that the logits spread as a built checkpoint's do.
+ROUTER_STD = 0.02
+
+
+def _routers(model) -> list[tuple[str, object]]:
+    return [(name, m) for name, m in model.named_modules()
+            if ROUTER_NAME.search(name) and getattr(getattr(m, "weight", None), "dtype", None) is not None]
+
+
+def _layer(name: str, default: int) -> int:
+    found = re.search(r"layers\.(\d+)\.", name)
+    return int(found.group(1)) if found else default
+
+
 def router_facts(model) -> dict | None:
     """What the MoE routers of a loaded model hold (``None`` for a model without any): how many,
-    their weights' dtypes and their vLLM quantisation methods (where they have one). A side whose routers are quantised while the other's are not serves another model:
-    stock vLLM's Qwen3-MoE router takes the checkpoint's fp8 config unless the checkpoint lists it
-    as unquantised (bench/NOTES.md entry 68), which is how every Qwen3-MoE fp8 cell before
-    2026-12-01 compared atom with a stock whose routing was broken."""
-    routers = [m for name, m in model.named_modules()
-               if ROUTER_NAME.search(name) and getattr(getattr(m, "weight", None), "dtype", None) is not None]
+    their weights' dtypes, their vLLM quantisation methods (where they have one), whether they are
+    quantised, and a checksum of their values (weights and biases, exact sums in float64 of what
+    each parameter holds, so two sides' checksums agree exactly when their routers hold the same
+    values in whatever float width). A side whose routers are quantised while the other's are not
+    serves another model: stock vLLM's Qwen3-MoE router takes the checkpoint's fp8 config unless the
+    checkpoint lists it as unquantised (bench/NOTES.md entry 68), which is how every Qwen3-MoE fp8
+    cell before 2026-12-01 compared atom with a stock whose routing was broken. So does a side whose
+    routers hold other values: vLLM's dummy loader draws each parameter in its own dtype, so atom's
+    float32 router and stock's bf16 one differ unless :func:`draw_routers` redraws both."""
+    import math
+
+    routers = _routers(model)
     if not routers:
         return None
-    methods = {type(m.quant_method).__name__ for m in routers if getattr(m, "quant_method", None) is not None}
-    return {"count": len(routers), "dtypes": sorted({str(m.weight.dtype).removeprefix("torch.") for m in routers}),
-            "quant_methods": sorted(methods)}
+    methods = {type(m.quant_method).__name__ for _, m in routers if getattr(m, "quant_method", None) is not None}
+    dtypes = sorted({str(m.weight.dtype).removeprefix("torch.") for _, m in routers})
+    sums = [float(p.detach().double().sum().cpu()) for _, m in routers for p in m.parameters(recurse=False)
+            if p.is_floating_point()]
+    # vLLM-CPU moves a router's weight into a packed ``cpu_linear`` and leaves an empty parameter:
+    # its values cannot be read, so no checksum
+    held = all(m.weight.numel() > 0 for _, m in routers)
+    return {"count": len(routers), "dtypes": dtypes, "quant_methods": sorted(methods),
+            "quantised": any(d not in ROUTER_FLOAT_DTYPES for d in dtypes)
+            or any(q != "UnquantizedLinearMethod" for q in methods),
+            "checksum": f"{math.fsum(sums):.12e}" if held else None}
+
+
+def draw_routers(model, seed: int = 0) -> int:
+    """Give every unquantised MoE router the same values on every side of a dummy-weight cell; returns
+    how many it drew. vLLM's dummy loader draws each parameter uniform in +-1e-3 from one seed, so
+    every layer's router holds the same values, and a DeepSeek-V3-style correction bias (+-1e-3)
+    outweighs the router logits (~1e-5): every token goes to the same 8 of 256 experts (bench/NOTES.md
+    entry 75). Each router's weight becomes normal with :data:`ROUTER_STD`, seeded by its layer and
+    rounded to bf16 (so a float32 router holds exactly a bf16 one's values), and its other parameters
+    (the correction bias, a linear bias) zero: routing by the logits, about uniform over the experts.
+    Written in place, so CUDA graphs captured before see the new values."""
+    import torch
+
+    drawn = 0
+    for i, (name, m) in enumerate(_routers(model)):
+        if str(m.weight.dtype).removeprefix("torch.") not in ROUTER_FLOAT_DTYPES or m.weight.numel() == 0:
+            continue  # quantised, or packed elsewhere (vLLM-CPU): router_facts says so
+        gen = torch.Generator().manual_seed(seed * 100_003 + _layer(name, i))
+        values = (torch.randn(tuple(m.weight.shape), generator=gen) * ROUTER_STD).to(torch.bfloat16)
+        with torch.no_grad():
+            m.weight.copy_(values.to(m.weight.device))
+            for pname, p in m.named_parameters(recurse=False):
+                if pname != "weight" and p.is_floating_point():
+                    p.zero_()
+        drawn += 1
+    return drawn
 
 
 def main(argv: list[str]) -> int:
@@ -169,7 +228,10 @@ def main(argv: list[str]) -> int:
         return {"model_class": f"{type(model).__module__}.{type(model).__qualname__}", "attention_impls": impls,
                 **({"routers": routers} if (routers := router_facts(model)) else {})}
 
+    drawn = llm.apply_model(draw_routers)[0] if spec.get("draw_routers") else None  # dummy weights
     ran = llm.apply_model(facts)[0]
+    if drawn is not None and "routers" in ran:
+        ran["routers"]["drawn"] = drawn
     ran["versions"] = versions()
     print("READY " + json.dumps(ran), flush=True)
     vocab = int(spec["vocab"])

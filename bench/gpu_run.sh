@@ -60,8 +60,8 @@
 #            written in 128x128 block fp8 as its weights are drawn (bench/e2e_models.py build_model block_fp8;
 #            no bf16 copy on disk, so Qwen3-30B-A3B dims at all 48 layers fit; other models' checkpoints go
 #            first when under 40 GiB are free). AB_DUMMY=1: no weights on disk, the config and tokenizer only, and
-#            every side loads with load_format "dummy" (vLLM draws the weights, uniform in +-1e-3: about uniform
-#            routing); label and folder suffixed -dummy. For full-depth models whose checkpoint would not fit the disk. AB_ROUNDS=0: start the sides and stop (fills the
+#            every side loads with load_format "dummy" (vLLM draws the weights, uniform in +-1e-3; each side's worker
+#            then draws the MoE routers, the same on every side: ab_worker.draw_routers); label and folder suffixed -dummy. For full-depth models whose checkpoint would not fit the disk. AB_ROUNDS=0: start the sides and stop (fills the
 #            JIT caches when a cold start and the measurement do not fit one command). With AB_FP8=1 the atom sides run
 #            with ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1: atom's model (by default atom steps aside for dense and Qwen3-MoE block fp8 on NVIDIA,
 #            and its atom side would run stock's). AB_ENGINE: JSON engine

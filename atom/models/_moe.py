@@ -301,8 +301,9 @@ class GroupedTopkRouter(nn.Module):
     GLM-4-MoE uses it): see :func:`atom.ops.grouped_topk_sigmoid`.
 
     HF names: ``gate.weight`` ``[num_experts, hidden]`` and ``gate.e_score_correction_bias``
-    ``[num_experts]``, both held in float32 (as HF and vLLM do) whatever the model dtype, and
-    replicated: every rank routes every token itself.
+    ``[num_experts]``, both held in float32 (as HF does; vLLM 0.26 keeps the weight in the model
+    dtype and the bias in float32) whatever the model dtype, and replicated: every rank routes every
+    token itself.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, num_groups: int, topk_groups: int,
