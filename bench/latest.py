@@ -59,6 +59,13 @@ STOCK_ROUTER_FP8_SUPERSEDED = ("stock's Qwen3-MoE router ran in fp8 on dummy wei
 #: bench/NOTES.md 73): the same cell with the new tiles (2026-12-02b) decides it, these stay shown.
 ATOM_FP8_TILES_SUPERSEDED = ("atom's fp8 expert tiles before the swapped-A/B change (bench/NOTES.md 73); superseded by "
                              "the same cell with the new tiles (2026-12-02b)")
+#: The DeepSeek-V3 fp8 cell on vLLM's dummy weights before bench/ab.py drew the routers (2026-12-02d, bench/NOTES.md
+#: 75): vLLM's dummy loader gives every parameter of one size and dtype the same values, and DeepSeek-V3's correction
+#: bias (+-1e-3) outweighs the router logits (~1e-5), so every token went to the same 8 of 256 experts on both sides;
+#: and the sides' routers held different values (drawn in bf16 by stock, in float32 by atom). bench/ab.py marked it.
+DUMMY_ROUTING_COLLAPSED = ("vLLM's dummy routers sent every DeepSeek-V3 token to the same 8 of 256 experts (the "
+                           "correction bias outweighs the logits), and the sides' routers held different values; "
+                           "bench/ab.py now draws the routers itself")
 #: The current records (paths relative to the repository) and what older records did not store.
 RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h100_2026-11-24/ab_dense.json", "assumed": _H100_0_26},
@@ -182,6 +189,10 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h200_2026-12-02b/ab_moe-fp8-dummy_c1_launch3.json"},
     {"path": "bench/results/h200_2026-12-02b/ab_moe-fp8-dummy_c128_launch12.json"},
     {"path": "bench/results/h200_2026-12-02b/ab_moe-fp8-dummy_c128_launch3.json"},
+    # DeepSeek-V3 dims in block fp8 with its own 256 experts (1 dense + 3 MoE layers), vLLM's dummy weights, H200
+    # (2026-12-02d, bench/NOTES.md 75; atom at 40200d8): cold fill, then two launches in one command
+    {"path": "bench/results/h200_2026-12-02d/ab_mla-e256-fp8-dummy_c1.json", "not_counted": DUMMY_ROUTING_COLLAPSED},
+    {"path": "bench/results/h200_2026-12-02d/ab_mla-e256-fp8-dummy_c64.json", "not_counted": DUMMY_ROUTING_COLLAPSED},
 ]
 
 
@@ -481,14 +492,15 @@ WHY = {
                           "give the other ~9 %. Earlier cells are not counted (stock's router was fp8: "
                           "bench/NOTES.md 68; atom's older tiles).",
     "mla-fp8-batch1": "Not decided: 2 launches (1.14x [0.94, 1.23]; H100, 2026-11-24, atom's own MLA kernel then, stock "
-                      "without FlashInfer). The 3-launch cell at DeepSeek-V3's 256 experts (2026-12-02c) did not start: "
-                      "the cold fill ran out of memory in vLLM's dummy loader (its fp16 copy of each fp8 parameter "
-                      "while the other side captured graphs; bench/NOTES.md 75, which plans it at 4 layers). Since "
-                      "then atom's DeepSeek-V3 fp8 experts take the grouped tiles at one token, 1.25x faster than "
-                      "its GEMV at the kernel (bench/NOTES.md 74).",
-    "mla-fp8-throughput": "Not decided: 2 launches; the 3.02x is stock's instability (batches stalling up to 3.3 s, "
-                          "not profiled), not claimed as a speed-up (\"H100: block-fp8 weights stay fp8\"). The "
-                          "3-launch cell did not start (as the batch-1 row: bench/NOTES.md 75).",
+                      "without FlashInfer). The DeepSeek-V3 cell at its 256 experts (4 layers, H200, 2026-12-02d: "
+                      "1.105x [1.042, 1.171] over 2 launches) is not counted: on vLLM's dummy weights every token "
+                      "went to the same 8 experts, and the sides' routers held different values (bench/NOTES.md 75). "
+                      "bench/ab.py now draws the routers, the same on every side; the cell is to run again.",
+    "mla-fp8-throughput": "Not decided: 2 launches on the H100 (the 3.02x there is stock's instability, batches "
+                          "stalling up to 3.3 s). The 256-expert cell's 2.33x at C=64 (H200, 2026-12-02d) is not "
+                          "counted (as the batch-1 row) and not claimed: all 512 (token, expert) pairs of a step "
+                          "went to 8 experts, and stock ran vLLM's default fused-MoE tile (no tuned file for E=256, "
+                          "N=2048 on the H200) at about half the GPU power of atom's side.",
     "mla-fp8-memory": "Met; MLA's kv_b_proj stays dequantised for the absorbed decode: +16.8 MB per layer at "
                       "DeepSeek-V3 dims (1.02 GB over 61 layers).",
 }
