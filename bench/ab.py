@@ -499,8 +499,8 @@ def _window(proc: subprocess.Popen, log: Path, seed: int, seconds: float, conc: 
 def router_mismatch(facts: dict[str, dict]) -> str:
     """Why the sides did not serve the same model, as far as their MoE routers show (bench/ab_worker.py
     ``router_facts``), or "" when they agree: one side's routers quantised and another's not, a side
-    without the routers the others have, or routers that hold other values (their checksums, exact
-    float64 sums that agree whenever the values do: a bf16 checkpoint's router held in float32 by one
+    without the routers the others have, or routers that hold other values (their checksums, float64
+    sums that agree whenever the values do: a bf16 checkpoint's router held in float32 by one
     side and bf16 by the other is the same router). Records written before the checksum existed are
     compared by quantisation alone."""
     seen = {name: f.get("routers") or None for name, f in facts.items()}

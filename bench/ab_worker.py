@@ -161,9 +161,9 @@ def _layer(name: str, default: int) -> int:
 def router_facts(model) -> dict | None:
     """What the MoE routers of a loaded model hold (``None`` for a model without any): how many,
     their weights' dtypes, their vLLM quantisation methods (where they have one), whether they are
-    quantised, and a checksum of their values (weights and biases, exact sums in float64 of what
-    each parameter holds, so two sides' checksums agree exactly when their routers hold the same
-    values in whatever float width). A side whose routers are quantised while the other's are not
+    quantised, and a checksum of their values (each parameter's float64 sum, those added exactly:
+    deterministic, so two sides' checksums agree when their routers hold the same values in whatever
+    float width, and a changed value moves them). A side whose routers are quantised while the other's are not
     serves another model: stock vLLM's Qwen3-MoE router takes the checkpoint's fp8 config unless the
     checkpoint lists it as unquantised (bench/NOTES.md entry 68), which is how every Qwen3-MoE fp8
     cell before 2026-12-01 compared atom with a stock whose routing was broken. So does a side whose
