@@ -13,8 +13,9 @@
 #            benchmark client import but the staged vLLM strips) -> /tmp/site-serve
 #   facts    bench/vllm_facts.py               -> $OUT/facts.txt
 #   demo     scripts/demo.py (atom on vs off)  -> $OUT/demo.txt
-#   tests    GPU-marked tests (GPU_TESTS, default tests/) -> $OUT/gpu_tests.txt (unbuffered: a time limit
-#            keeps the results printed so far)
+#   tests    GPU-marked tests (GPU_TESTS, default tests/) -> $OUT/gpu_tests.txt (unbuffered; at the limit,
+#            GPU_TESTS_TIMEOUT s (540), pytest is interrupted, not killed: the failures so far and their reasons
+#            are still printed)
 #   ops      bench/ops.py (ops_memory.py then ops_compute.py) -> $OUT/ops.txt, ops_*.json
 #   e2e      ../shared/gpu/bench_vllm_baseline.py (carried in .stage/tools) on its dense Qwen3
 #            (E2E_MODEL=tiny-qwen3moe for the MoE one), stock (ATOM_DISABLE_VLLM_PLUGIN=1) then
@@ -193,7 +194,8 @@ for step in "$@"; do
                   cat "$from"/cache.tar.xz.part* | xz -dc | tar -C "${CACHE_ROOT:-/}" -xf - \
                       && echo "cacheunpack: $(du -sh "$from" | cut -f1) from $from"
               else echo "cacheunpack: no parts in $from"; fi ;;
-        tests) timeout 540 python3 -u -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
+        tests) # SIGINT at the limit: pytest then still prints the failures so far and its summary
+            timeout --signal=INT --kill-after=20 "${GPU_TESTS_TIMEOUT:-540}" python3 -u -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
         ops) timeout 560 python3 bench/ops.py --json-dir "$OUT" > "$OUT/ops.txt" 2>&1; tail -40 "$OUT/ops.txt" ;;
         e2e) mkdir -p "$OUT/e2e"; B=.stage/tools/bench_vllm_baseline.py
              python3 $B build --out /tmp/models > /dev/null 2>&1

@@ -276,3 +276,27 @@ def test_fresh_compile_reaches_ab_py_only_when_asked(tmp_path):
     for value in ("0", None):
         calls, _ = _run_step(tmp_path, "ab", **({"AB_FRESH_COMPILE": value} if value else {}))
         assert "--fresh-compile" not in _script_calls(calls, "bench/ab.py")[0]["argv"]
+
+
+def test_tests_step_still_says_why_a_test_failed_when_its_time_runs_out(tmp_path):
+    """The ``tests`` step on real pytest: a failing GPU-marked test, then one that outlasts the step's
+    limit (GPU_TESTS_TIMEOUT). pytest is interrupted, not killed, so $OUT/gpu_tests.txt still holds the
+    failure's reason and what it printed (on 2026-12-02d a killed run left only ``..F``)."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_late.py").write_text(
+        "import time\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_fails():\n"
+        "    print('atom 1.12 stock 0.31')\n    assert 1.12 <= 0.5, 'over the bound'\n\n\n"
+        "@pytest.mark.gpu\ndef test_outlasts_the_limit():\n    time.sleep(120)\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "GPU_TESTS": str(suite),
+           "GPU_TESTS_TIMEOUT": "25"}
+    proc = subprocess.run(["bash", str(SCRIPT), "tests"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    text = (out / "gpu_tests.txt").read_text()
+    assert "AssertionError: over the bound" in text and "atom 1.12 stock 0.31" in text, (text, proc.stderr)
+    assert "FAILED" in text and "KeyboardInterrupt" in text, text
