@@ -24,7 +24,12 @@ is below 1.0); greedy agreement of the first tokens with the reference on identi
 model class and attention impls each side built, and the kernel-selection lines of its log; GPU
 clocks, power, clock-event reasons, utilization and the power limit sampled every 500 ms during each
 window (windows with the software power cap or a thermal reason active are flagged; a window that drew a
-small share of the limit at full clocks kept the GPU waiting on the host).
+small share of the limit at full clocks kept the GPU waiting on the host); and what each side's MoE
+routers hold (``ab_worker.router_facts``). A cell whose sides' routers differ (one quantised, one
+missing, other values) is recorded ``not_counted``. On dummy weights (``"load_format": "dummy"``
+in ``--engine``) each side draws its routers itself, the same values everywhere
+(``ab_worker.draw_routers``): vLLM's own dummy routers send every DeepSeek-V3 token to the same
+experts.
 """
 
 from __future__ import annotations
