@@ -34,6 +34,7 @@ import torch
 
 from atom.ops._common import FLOAT_DTYPES
 from atom.ops._dispatch import declare
+from atom.ops._warm import timed
 
 __all__ = ["paged_attention", "paged_attention_torch"]
 
@@ -248,5 +249,6 @@ def warm_up_paged_attention(num_heads: int, num_kv_heads: int, head_dim: int, dt
         return 0
     from atom.ops.attention_triton import warm_up  # lazy: Triton is optional
 
-    return warm_up(num_heads, num_kv_heads, head_dim, dtype, page, device, kv_dtype=kv_dtype,
-                   window=int(sliding_window or 0), sinks=sinks)
+    return timed("paged_attention", f"{num_heads}/{num_kv_heads} heads x {head_dim}, page {page}",
+                 lambda: warm_up(num_heads, num_kv_heads, head_dim, dtype, page, device, kv_dtype=kv_dtype,
+                                 window=int(sliding_window or 0), sinks=sinks))

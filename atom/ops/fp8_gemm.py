@@ -41,6 +41,7 @@ import torch
 
 from atom.ops._common import FLOAT_DTYPES, FP8_DTYPE
 from atom.ops._dispatch import declare
+from atom.ops._warm import timed
 from atom.ops.quant import per_block_quant_fp8
 
 __all__ = ["fp8_block_gemm", "dequant_block_fp8", "warm_up_fp8_block_gemm", "HostGemm", "set_host_gemm"]
@@ -218,8 +219,10 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
     from atom.ops.fp8_gemm_triton import warm_up
 
     block = (int(block_shape[0]), int(block_shape[1]))
-    launches = warm_up(weight, weight_scale, block, act_dtype, w8a8_from, has_bias)
+    shape = f"{tuple(weight.shape)}"
+    launches = timed("fp8_block_gemm", shape, lambda: warm_up(weight, weight_scale, block, act_dtype, w8a8_from,
+                                                              has_bias))
     for host in _HOST_GEMMS if w8a8_from is not None else ():
         if host.warm_up is not None:
-            launches += host.warm_up(weight, weight_scale, block, act_dtype)
+            launches += timed(host.name, shape, lambda: host.warm_up(weight, weight_scale, block, act_dtype))
     return launches

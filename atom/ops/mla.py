@@ -25,6 +25,7 @@ import torch
 
 from atom.ops._common import FLOAT_DTYPES
 from atom.ops._dispatch import declare
+from atom.ops._warm import timed
 
 __all__ = ["mla_write_latent_cache", "mla_decode", "mla_write_latent_cache_torch",
            "mla_decode_torch", "rope_torch", "warm_up_mla_decode"]
@@ -280,4 +281,5 @@ def warm_up_mla_decode(num_heads: int, kv_lora_rank: int, rope_dim: int, dtype: 
         return 0
     from atom.ops.mla_triton import warm_up  # lazy: Triton is optional
 
-    return warm_up(num_heads, kv_lora_rank, rope_dim, dtype, page, device)
+    return timed("mla_decode", f"{num_heads} heads, rank {kv_lora_rank} + {rope_dim}, page {page}",
+                 lambda: warm_up(num_heads, kv_lora_rank, rope_dim, dtype, page, device))

@@ -36,6 +36,7 @@ import torch
 
 from atom.ops._common import FLOAT_DTYPES
 from atom.ops._dispatch import declare
+from atom.ops._warm import timed
 from atom.ops.fp8_gemm import dequant_block_fp8
 
 __all__ = ["fused_moe", "MOE_ACTIVATIONS", "fused_moe_torch", "per_token_group_quant_fp8_torch",
@@ -291,4 +292,5 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_exper
         return 0
     from atom.ops.moe_triton import warm_up  # lazy: Triton is optional
 
-    return warm_up(w13, w2, top_k, num_experts, act_dtype, **kwargs)
+    return timed("fused_moe", f"w13 {tuple(w13.shape)} {w13.dtype}",
+                 lambda: warm_up(w13, w2, top_k, num_experts, act_dtype, **kwargs))

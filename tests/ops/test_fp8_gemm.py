@@ -312,6 +312,33 @@ def test_host_gemm_warm_up_runs_with_the_layers_warm_up():
     assert a16 > 0 and first > 5 and again == 0
 
 
+
+def test_warm_up_times_each_kernel_apart(monkeypatch, caplog):
+    """A warm-up's time is logged per kernel and shape (atom's Triton GEMM, then each host GEMM
+    apart: a cold start's JIT time by kernel), and added to the process totals; a shape already
+    warmed logs nothing."""
+    import logging
+
+    from atom.ops import _warm, warm_up_fp8_block_gemm
+    from atom.ops.fp8_gemm import HostGemm, set_host_gemm
+
+    monkeypatch.setattr(_warm, "TOTALS", {})
+    clock = iter([10.0, 12.5, 20.0, 20.25])  # atom's warm-up 2.5 s, the host's 0.25 s
+    monkeypatch.setattr(_warm.time, "perf_counter", lambda: next(clock))
+    w, s = _weights(48, 64, (16, 32))
+    set_host_gemm(HostGemm(lambda *a: None, 8, "fake-host", lambda *a: 3))
+    try:
+        with caplog.at_level(logging.INFO, logger="atom.ops"):
+            launches = warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, w8a8_from=8, force=True)
+            assert warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, w8a8_from=8, force=True) == 0
+    finally:
+        set_host_gemm(None)
+    mine = launches - 3
+    assert _warm.TOTALS == {"fp8_block_gemm": [1, mine, 2.5], "fake-host": [1, 3, 0.25]}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up")]
+    assert lines == [f"warm-up fp8_block_gemm (48, 64): {mine} launches in 2.5 s (fp8_block_gemm so far: 2.5 s)",
+                     "warm-up fake-host (48, 64): 3 launches in 0.2 s (fake-host so far: 0.2 s)"]
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [128, 1000])
 def test_gpu_vllm_cutlass_host_gemm_matches_reference(m, monkeypatch):

@@ -403,6 +403,7 @@ class MLAttentionImpl:
         shape; only on a GPU unless ``force`` (tests, under the Triton interpreter). Returns
         the kernel launches made."""
         from atom.ops import paged_attention, warm_up_mla_decode
+        from atom.ops._warm import timed
 
         device = self.W_UK_T.device if self.W_UK_T is not None else torch.device("cpu")
         if device.type != "cuda" and not force:
@@ -417,20 +418,24 @@ class MLAttentionImpl:
         key = ("mla_prefill", heads, rank, rope, self.qk_nope_head_dim, self.v_head_dim, act_dtype, str(device))
         if not paged_attention.claim_warm_up(key, device.type, force):
             return launches
-        tokens, page = 2, 16
-        q = torch.zeros(tokens, heads, width, dtype=act_dtype, device=device)
-        part = torch.empty_like(q)
-        lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
-        qsl = torch.tensor([0, tokens], dtype=torch.int32, device=device)
-        q_lens = qsl[1:] - qsl[:-1]
-        k, v = up_project(torch.zeros(page, rank + rope, dtype=act_dtype, device=device), self.up_proj,
-                          heads, rank, rope, self.qk_nope_head_dim, self.v_head_dim, act_dtype)
-        table = torch.arange(tokens, dtype=torch.int32, device=device).view(1, tokens)
-        paged_attention(q, k[:tokens].unsqueeze(1), v[:tokens].unsqueeze(1), table, q_lens, qsl, tokens, tokens,
-                        self.scale, causal=True, out=part, lse=lse)
-        shape = (1, page, heads, width)
-        chunk_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-        kv_lens = torch.full((1,), page, dtype=torch.int32, device=device)
-        paged_attention(q, k.view(shape), v.view(shape), chunk_table, kv_lens, qsl, tokens, page, self.scale,
-                        causal=False, out=part, lse=lse)
-        return launches + 2
+
+        def prefill() -> int:
+            tokens, page = 2, 16
+            q = torch.zeros(tokens, heads, width, dtype=act_dtype, device=device)
+            part = torch.empty_like(q)
+            lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
+            qsl = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+            q_lens = qsl[1:] - qsl[:-1]
+            k, v = up_project(torch.zeros(page, rank + rope, dtype=act_dtype, device=device), self.up_proj,
+                              heads, rank, rope, self.qk_nope_head_dim, self.v_head_dim, act_dtype)
+            table = torch.arange(tokens, dtype=torch.int32, device=device).view(1, tokens)
+            paged_attention(q, k[:tokens].unsqueeze(1), v[:tokens].unsqueeze(1), table, q_lens, qsl, tokens, tokens,
+                            self.scale, causal=True, out=part, lse=lse)
+            shape = (1, page, heads, width)
+            chunk_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+            kv_lens = torch.full((1,), page, dtype=torch.int32, device=device)
+            paged_attention(q, k.view(shape), v.view(shape), chunk_table, kv_lens, qsl, tokens, page, self.scale,
+                            causal=False, out=part, lse=lse)
+            return 2
+
+        return launches + timed("mla_prefill", f"{heads} heads, rank {rank} + {rope}", prefill)
