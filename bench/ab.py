@@ -216,6 +216,32 @@ def _gpu_used_mib() -> Optional[int]:
     return _gpu_memory_mib("used")
 
 
+#: GPU memory in use (MiB) at or below which the GPU counts as free of other engines (an idle H200: 0).
+IDLE_GPU_MIB = 2048
+
+
+def wait_for_idle_gpu(limit_s: float = 120.0, poll_s: float = 2.0) -> Optional[str]:
+    """Before any side starts: wait (up to ``limit_s``) until the GPU's memory in use is back to at most
+    :data:`IDLE_GPU_MIB`. An engine another command left behind (2026-12-03: one killed at a command's
+    time limit during its JIT warm-up) still held memory when the next command's side started, which then
+    failed in ``cublasCreate`` (``CUBLAS_STATUS_ALLOC_FAILED``). Returns None when the GPU was idle at
+    once (or there is no nvidia-smi), else what was waited for, with the processes still on the GPU."""
+    used = _gpu_used_mib()
+    if used is None or used <= IDLE_GPU_MIB:
+        return None
+    first, start = used, time.time()
+    while used is not None and used > IDLE_GPU_MIB and time.time() - start < limit_s:
+        time.sleep(poll_s)
+        used = _gpu_used_mib()
+    try:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        apps = ""
+    return (f"the GPU held {first} MiB before any side started; after {time.time() - start:.0f} s: {used} MiB"
+            + (f" (processes: {'; '.join(apps.splitlines())})" if apps else ""))
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # the side and its engine-core process (its own session)
@@ -328,6 +354,9 @@ def main(argv: list[str]) -> int:
         if why:
             print(f"[ab] not started: {why}", flush=True)
             return 2
+    waited = wait_for_idle_gpu()
+    if waited:
+        print(f"[ab] {waited}", flush=True)
     if args.rounds == 0:  # start-up only: fills the JIT / compile caches for a later run
         procs, facts, logs = _start(sides, spec, logdir, "", overlap=args.overlap_starts)
         _stop(procs)

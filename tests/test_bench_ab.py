@@ -653,3 +653,22 @@ def test_dummy_weight_cells_ask_every_side_to_draw_its_routers(tmp_path, monkeyp
         with pytest.raises(Started):
             ab.main(argv)
     assert [s["draw_routers"] for s in specs] == [True, False]
+
+
+def test_wait_for_idle_gpu_waits_for_another_commands_engine(monkeypatch):
+    """An engine left by an earlier command holds GPU memory: the sides start only once it is freed (or
+    after the limit), and the record says what was waited for; an idle GPU (or none) is not waited on."""
+    readings = iter([60000, 60000, ab.IDLE_GPU_MIB + 1, 512])
+    slept = []
+    monkeypatch.setattr(ab, "_gpu_used_mib", lambda: next(readings))
+    monkeypatch.setattr(ab.time, "sleep", slept.append)
+    monkeypatch.setattr(ab.subprocess, "run", lambda *a, **k: type("R", (), {"stdout": "123, VLLM::EngineCore, 60000 MiB\n"})())
+    why = ab.wait_for_idle_gpu(limit_s=1e9, poll_s=2.0)
+    assert slept == [2.0, 2.0, 2.0]
+    assert why.startswith("the GPU held 60000 MiB before any side started; after ") and ": 512 MiB" in why
+    assert "123, VLLM::EngineCore, 60000 MiB" in why
+    monkeypatch.setattr(ab, "_gpu_used_mib", lambda: ab.IDLE_GPU_MIB)
+    assert ab.wait_for_idle_gpu() is None
+    monkeypatch.setattr(ab, "_gpu_used_mib", lambda: None)
+    assert ab.wait_for_idle_gpu() is None
+    assert slept == [2.0, 2.0, 2.0]
