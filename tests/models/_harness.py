@@ -254,13 +254,15 @@ def tiny_hf_model(kind: str, out_dir: Any, **overrides: Any) -> tuple[nn.Module,
 
 
 def prompt_error_profile(diffs: list[float]) -> dict[str, float]:
-    """Max, mean and 95th percentile (nearest rank) of teacher-forced |d logprob| values. The
+    """Max, mean, 95th percentile (nearest rank) of teacher-forced |d logprob| values, and the
+    fraction of them over 0.3 (positions a flipped router pick moved). The
     percentile is what a tiny random MoE's router near-ties leave alone: a flipped top-k pick
     moves one position by up to about 1, and which ties flip changes with the machine's
     arithmetic, so its max is not a stable measure of a kernel's error."""
     ranked = sorted(diffs)
     return {"prompt_max": ranked[-1], "prompt_mean": sum(ranked) / len(ranked),
-            "prompt_p95": ranked[max(math.ceil(0.95 * len(ranked)) - 1, 0)]}
+            "prompt_p95": ranked[max(math.ceil(0.95 * len(ranked)) - 1, 0)],
+            "prompt_over_0.3": sum(d > 0.3 for d in ranked) / len(ranked)}
 
 
 def greedy_run_stats(ours: dict, theirs: dict) -> dict[str, float]:
