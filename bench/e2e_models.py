@@ -40,6 +40,18 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
         num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6,
     ), 2),
+    # DeepSeek-V3 at one tensor-parallel rank's shapes of TP-8, its deployed layout (bench/NOTES.md 79): the
+    # heads, the dense MLP and the experts' intermediate split 8 ways (vLLM's ColumnParallel / RowParallel
+    # layers and its TP-sharded FusedMoE), the LoRA projections and the 256 experts whole (vLLM replicates
+    # q_a / kv_a; without EP each rank holds every expert's shard). One GPU runs one rank's weights and kernels,
+    # without the all-reduces; stock's fused MoE then finds vLLM's tuned E=256, N=256 tile files.
+    "mla8": ("DeepseekV3Config", dict(
+        hidden_size=7168, intermediate_size=18432 // 8, moe_intermediate_size=2048 // 8, n_routed_experts=256,
+        num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=1,
+        topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_attention_heads=128 // 8, num_key_value_heads=128 // 8, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6,
+    ), 4),
     # The architectures atom serves that had not run on a GPU (issue #17), at their released
     # models' dims, few layers (a quick cold start; each fits one H100 with room for a second side).
     # Llama-3.1-8B: GQA 32/8 and its llama3 RoPE scaling (the low frequencies interpolated).
@@ -106,7 +118,7 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
     build_tokenizer(out, min(vocab, 16000), pad_to=vocab, corpus=transformers_sources(4_000_000))
     cls_name, kwargs, _ = MODELS[name]
     kwargs = dict(kwargs, num_hidden_layers=layers)
-    if name == "mla":
+    if name == "mla":  # (mla8: DeepSeek-V3's own 256)
         kwargs["n_routed_experts"] = mla_experts
     # a model's own max_position_embeddings (its RoPE scaling's context) over the default
     cfg = getattr(transformers, cls_name)(**{
@@ -114,7 +126,7 @@ def build_model(name: str, layers: int, out: Path, vocab: int, mla_experts: int,
         "pad_token_id": 0, "tie_word_embeddings": False, "initializer_range": init_std, "torch_dtype": "bfloat16"})
     params = (write_random_checkpoint(cfg, out, init_std, router_skew=router_skew, block_fp8=block_fp8) if weights
               else write_config(cfg, out, block_fp8))
-    if name == "mla":  # transformers 5 drops these; vLLM needs them for the correction bias
+    if cls_name == "DeepseekV3Config":  # transformers 5 drops these; vLLM needs them for the correction bias
         c = json.loads((out / "config.json").read_text())
         c.update(topk_method="noaux_tc", scoring_func="sigmoid")
         (out / "config.json").write_text(json.dumps(c, indent=2))

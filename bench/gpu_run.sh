@@ -50,7 +50,8 @@
 #   fp8gemm  bench/fp8_gemm.py: the block-fp8 GEMM kernel table (atom W8A16 / W8A8 vs stock's CUTLASS and
 #            DeepGEMM vs bf16 cuBLAS; FP8GEMM_ARGS, default --sweep) -> $OUT/fp8_gemm.json, .txt
 #   ab       bench/ab.py (the speed protocol: sides alive at once on the GPU, interleaved windows,
-#            bootstrap intervals, clocks) on AB_MODEL (dense | moe | mla, AB_LAYERS default 4; mla:
+#            bootstrap intervals, clocks) on AB_MODEL (dense | moe | mla | mla8: DeepSeek-V3 at one TP-8 rank's
+#            shapes, its 256 experts, bench/NOTES.md 79; AB_LAYERS default 4; mla:
 #            AB_MLA_EXPERTS routed experts, default 64, DeepSeek-V3's 256; built under
 #            /tmp/atom-e2e-models), 128/128 at C=AB_CONC (default 32), AB_ROUNDS (5)
 #            windows of AB_WINDOW s (15), after AB_WARMUP s (5) unmeasured per side, cell and launch.

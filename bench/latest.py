@@ -436,8 +436,9 @@ TARGETS = [
 ]
 
 #: Model labels (their first dash-separated word) per target family: Qwen3 dense (8B, 32B dims),
-#: Qwen3 MoE (30B-A3B, 235B-A22B dims), DeepSeek-V3 dims (MLA). The other architectures have no target.
-FAMILIES = {"dense": "dense", "dense32": "dense", "moe": "moe", "moe235": "moe", "mla": "mla"}
+#: Qwen3 MoE (30B-A3B, 235B-A22B dims), DeepSeek-V3 dims (MLA; mla8: one TP-8 rank's shapes). The other
+#: architectures have no target.
+FAMILIES = {"dense": "dense", "dense32": "dense", "moe": "moe", "moe235": "moe", "mla": "mla", "mla8": "mla"}
 
 #: Why a target is not met (or not decided), and where the profile or measurement that explains it
 #: is (a docs/performance.md section in quotes, or a bench/NOTES.md entry); for a met target, what the

@@ -17,6 +17,9 @@ TINY = {
     "mla": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
                 num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
                 v_head_dim=16, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2),
+    "mla8": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                 num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                 v_head_dim=16, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2),
     "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "mixtral": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     num_local_experts=4),
@@ -31,7 +34,8 @@ TINY = {
 #: test_every_model_is_an_architecture_atom_serves).
 ARCHITECTURES = {
     "dense": "Qwen3ForCausalLM", "dense32": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM",
-    "moe235": "Qwen3MoeForCausalLM", "mla": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM",
+    "moe235": "Qwen3MoeForCausalLM", "mla": "DeepseekV3ForCausalLM", "mla8": "DeepseekV3ForCausalLM",
+    "llama": "LlamaForCausalLM",
     "mixtral": "MixtralForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "gptoss": "GptOssForCausalLM",
 }
 #: The released models whose dims the issue-#17 entries take: (layers, vocab, published parameter count).
@@ -104,6 +108,17 @@ def test_every_model_is_an_architecture_atom_serves(e2e):
         if name in e2e.SMOKE_KINDS:
             assert KINDS[e2e.SMOKE_KINDS[name]][0] == cls_name, name
     assert set(RELEASED) <= set(e2e.SMOKE_KINDS)
+
+
+def test_mla8_is_one_tp8_rank_of_the_mla_model(e2e):
+    """mla8 is mla (DeepSeek-V3's dims) with what vLLM's TP-8 shards split by 8 (attention heads, the dense
+    MLP, the experts' intermediate) and DeepSeek-V3's own 256 experts; everything else the same."""
+    mla, mla8 = e2e.MODELS["mla"][1], e2e.MODELS["mla8"][1]
+    split = {"num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"}
+    assert {k: mla[k] // 8 for k in split} == {k: mla8[k] for k in split}
+    assert mla8["moe_intermediate_size"] == 256 and mla8["n_routed_experts"] == 256
+    same = set(mla) - split - {"n_routed_experts"}
+    assert set(mla8) == set(mla) and {k: mla[k] for k in same} == {k: mla8[k] for k in same}
 
 
 @pytest.mark.parametrize("name", sorted(RELEASED))
