@@ -40,18 +40,6 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
         num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6,
     ), 2),
-    # DeepSeek-V3 at one tensor-parallel rank's shapes of TP-8, its deployed layout (bench/NOTES.md 79): the
-    # heads, the dense MLP and the experts' intermediate split 8 ways (vLLM's ColumnParallel / RowParallel
-    # layers and its TP-sharded FusedMoE), the LoRA projections and the 256 experts whole (vLLM replicates
-    # q_a / kv_a; without EP each rank holds every expert's shard). One GPU runs one rank's weights and kernels,
-    # without the all-reduces; stock's fused MoE then finds vLLM's tuned E=256, N=256 tile files.
-    "mla8": ("DeepseekV3Config", dict(
-        hidden_size=7168, intermediate_size=18432 // 8, moe_intermediate_size=2048 // 8, n_routed_experts=256,
-        num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=1,
-        topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
-        num_attention_heads=128 // 8, num_key_value_heads=128 // 8, q_lora_rank=1536, kv_lora_rank=512,
-        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, rms_norm_eps=1e-6,
-    ), 4),
     # The architectures atom serves that had not run on a GPU (issue #17), at their released
     # models' dims, few layers (a quick cold start; each fits one H100 with room for a second side).
     # Llama-3.1-8B: GQA 32/8 and its llama3 RoPE scaling (the low frequencies interpolated).
@@ -85,6 +73,15 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
         max_position_embeddings=131072,
     ), 4),
 }
+#: The DeepSeek-V3 dims vLLM's tensor-parallel layers split across ranks: the attention heads (ColumnParallel
+#: q_b / kv_b, RowParallel o_proj), the dense MLP and, without EP, every expert's intermediate (TP-sharded
+#: FusedMoE). vLLM replicates q_a / kv_a, so the LoRA ranks and the hidden size stay whole.
+TP_SPLIT_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size")
+# mla8: DeepSeek-V3 at one rank's shapes of TP-8, its deployed layout, with its own 256 experts (bench/NOTES.md 79).
+# One GPU runs one rank's weights and kernels, without the all-reduces; stock's fused MoE then finds vLLM's tuned
+# E=256, N=256 tile files.
+MODELS["mla8"] = ("DeepseekV3Config", {**MODELS["mla"][1], "n_routed_experts": 256,
+                                       **{k: MODELS["mla"][1][k] // 8 for k in TP_SPLIT_DIMS}}, 4)
 #: --smoke: atom.testing.tiny_models kinds standing in for each model.
 SMOKE_KINDS = {"dense": "qwen3", "moe": "qwen3_moe", "mla": "deepseek_v3", "llama": "llama",
                "mixtral": "mixtral", "glm4moe": "glm4_moe", "gptoss": "gpt_oss"}

@@ -116,7 +116,8 @@ def test_mla8_is_one_tp8_rank_of_the_mla_model(e2e):
     mla, mla8 = e2e.MODELS["mla"][1], e2e.MODELS["mla8"][1]
     split = {"num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"}
     assert {k: mla[k] // 8 for k in split} == {k: mla8[k] for k in split}
-    assert mla8["moe_intermediate_size"] == 256 and mla8["n_routed_experts"] == 256
+    assert (mla8["num_attention_heads"], mla8["intermediate_size"], mla8["moe_intermediate_size"],
+            mla8["n_routed_experts"], mla8["hidden_size"], mla8["q_lora_rank"]) == (16, 2304, 256, 256, 7168, 1536)
     same = set(mla) - split - {"n_routed_experts"}
     assert set(mla8) == set(mla) and {k: mla[k] for k in same} == {k: mla8[k] for k in same}
 
