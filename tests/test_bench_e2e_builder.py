@@ -17,9 +17,6 @@ TINY = {
     "mla": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
                 num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
                 v_head_dim=16, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2),
-    "mla8": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
-                 num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-                 v_head_dim=16, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2),
     "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "mixtral": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     num_local_experts=4),
@@ -30,6 +27,7 @@ TINY = {
     "gptoss": dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                    num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
 }
+TINY["mla8"] = TINY["mla"]  # one TP-8 rank of the same architecture
 #: Every model the benchmarks build -> the architecture its checkpoint declares (atom serves each:
 #: test_every_model_is_an_architecture_atom_serves).
 ARCHITECTURES = {

@@ -14,8 +14,6 @@ from typing import Callable
 
 from atom._logging import get_logger
 
-logger = get_logger("atom.ops")
-
 #: kernel name -> [warm-ups, launches, seconds] in this process.
 TOTALS: dict[str, list] = {}
 
@@ -31,6 +29,6 @@ def timed(kernel: str, shape: str, warm_up: Callable[[], int]) -> int:
         total[0] += 1
         total[1] += launches
         total[2] += seconds
-        logger.info("warm-up %s %s: %d launches in %.1f s (%s so far: %.1f s)", kernel, shape, launches, seconds,
-                    kernel, total[2])
+        get_logger("atom.ops").info("warm-up %s %s: %d launches in %.1f s (%s so far: %.1f s)", kernel, shape, launches,
+                                    seconds, kernel, total[2])
     return launches

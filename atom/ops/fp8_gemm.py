@@ -219,7 +219,7 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
     from atom.ops.fp8_gemm_triton import warm_up
 
     block = (int(block_shape[0]), int(block_shape[1]))
-    shape = f"{tuple(weight.shape)}"
+    shape = str(tuple(weight.shape))
     launches = timed("fp8_block_gemm", shape, lambda: warm_up(weight, weight_scale, block, act_dtype, w8a8_from,
                                                               has_bias))
     for host in _HOST_GEMMS if w8a8_from is not None else ():

@@ -61,10 +61,11 @@ def warm_up_linear(weight: torch.Tensor, has_bias: bool = False, force: bool = F
     key = (tuple(weight.shape), weight.dtype, str(weight.device), has_bias)
     if weight.dtype not in _HALF or not linear.claim_warm_up(key, weight.device.type, force):
         return 0
+
     def launch() -> int:
         x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device) if has_bias else None
         linear.run("triton", x, weight, bias)
         return 1
 
-    return timed("linear (GEMV)", f"{tuple(weight.shape)}", launch)
+    return timed("linear (GEMV)", str(tuple(weight.shape)), launch)

@@ -312,7 +312,6 @@ def test_host_gemm_warm_up_runs_with_the_layers_warm_up():
     assert a16 > 0 and first > 5 and again == 0
 
 
-
 def test_warm_up_times_each_kernel_apart(monkeypatch, caplog):
     """A warm-up's time is logged per kernel and shape (atom's Triton GEMM, then each host GEMM
     apart: a cold start's JIT time by kernel), and added to the process totals; a shape already
@@ -338,6 +337,7 @@ def test_warm_up_times_each_kernel_apart(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up")]
     assert lines == [f"warm-up fp8_block_gemm (48, 64): {mine} launches in 2.5 s (fp8_block_gemm so far: 2.5 s)",
                      "warm-up fake-host (48, 64): 3 launches in 0.2 s (fake-host so far: 0.2 s)"]
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [128, 1000])
