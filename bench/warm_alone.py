@@ -1,0 +1,64 @@
+"""Time atom's block-fp8 Triton GEMM warm-up per weight shape, cold, with nothing else running on
+the GPU machine (bench/NOTES.md entry 78: in two overlapped cold starts one shape each time took
+~110 s where the others took 7-12 s). Optionally with BURN CPU-bound busy processes beside it,
+to see whether CPU contention alone gives such a slowdown.
+
+Usage (GPU machine, the staged site on PYTHONPATH):
+    python bench/warm_alone.py [--burn N] [--shapes 7168x2048,24576x1536,...] [--budget S]
+Prints one line per shape: its warm-up's launches and seconds, and the Triton cache it used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+
+def _burn(stop_at: float) -> None:
+    x = 0
+    while time.time() < stop_at:
+        x = (x * 1103515245 + 12345) % 2147483648
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="2112x7168,3072x1536,7168x2048,24576x1536,4608x7168")
+    p.add_argument("--burn", type=int, default=0, help="busy processes beside the compiles")
+    p.add_argument("--budget", type=float, default=150.0, help="stop starting shapes after this many seconds")
+    p.add_argument("--w8a8-from", type=int, default=17)
+    args = p.parse_args()
+
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+    import torch
+
+    from atom.ops.fp8_gemm_triton import warm_up
+
+    burners = []
+    if args.burn:
+        stop_at = time.time() + args.budget + 60
+        burners = [mp.Process(target=_burn, args=(stop_at,), daemon=True) for _ in range(args.burn)]
+        for proc in burners:
+            proc.start()
+    start = time.perf_counter()
+    for spec in args.shapes.split(","):
+        if time.perf_counter() - start > args.budget:
+            print(f"budget spent; not started: {spec}", flush=True)
+            continue
+        n, k = (int(v) for v in spec.split("x"))
+        weight = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
+        scale = torch.ones((n + 127) // 128, (k + 127) // 128, device="cuda")
+        t0 = time.perf_counter()
+        launches = warm_up(weight, scale, (128, 128), torch.bfloat16, args.w8a8_from, False)
+        torch.cuda.synchronize()
+        print(f"burn={args.burn} shape ({n}, {k}): {launches} launches in {time.perf_counter() - t0:.1f} s "
+              f"(cache {os.environ['TRITON_CACHE_DIR']})", flush=True)
+    for proc in burners:
+        proc.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
