@@ -5,7 +5,9 @@ to see whether CPU contention alone gives such a slowdown.
 
 Usage (GPU machine, the staged site on PYTHONPATH):
     python bench/warm_alone.py [--burn N] [--shapes 7168x2048,24576x1536,...] [--budget S]
-Prints one line per shape: its warm-up's launches and seconds, and the Triton cache it used.
+Prints one line per shape: its warm-up's launches and seconds, and the Triton cache it used. It times
+the call the engine's `warm-up fp8_block_gemm` line times (atom.ops.fp8_gemm.warm_up_fp8_block_gemm's),
+without the host GEMMs, and waits for its launches.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ def main() -> int:
     p.add_argument("--shapes", default="2112x7168,3072x1536,7168x2048,24576x1536,4608x7168")
     p.add_argument("--burn", type=int, default=0, help="busy processes beside the compiles")
     p.add_argument("--budget", type=float, default=150.0, help="stop starting shapes after this many seconds")
-    p.add_argument("--w8a8-from", type=int, default=17)
+    p.add_argument("--w8a8-from", type=int, default=None,
+                   help="W8A8 from this many tokens (default: ATOM_FP8_W8A8_MIN_TOKENS, as the engine's warm-up)")
     args = p.parse_args()
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
     import torch
 
+    from atom import envs
     from atom.ops.fp8_gemm_triton import warm_up
+
+    w8a8_from = envs.ATOM_FP8_W8A8_MIN_TOKENS if args.w8a8_from is None else args.w8a8_from
 
     burners = []
     if args.burn:
@@ -51,7 +57,7 @@ def main() -> int:
         weight = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
         scale = torch.ones((n + 127) // 128, (k + 127) // 128, device="cuda")
         t0 = time.perf_counter()
-        launches = warm_up(weight, scale, (128, 128), torch.bfloat16, args.w8a8_from, False)
+        launches = warm_up(weight, scale, (128, 128), torch.bfloat16, w8a8_from, False)
         torch.cuda.synchronize()
         print(f"burn={args.burn} shape ({n}, {k}): {launches} launches in {time.perf_counter() - t0:.1f} s "
               f"(cache {os.environ['TRITON_CACHE_DIR']})", flush=True)
