@@ -199,6 +199,13 @@ RECORDS: list[dict[str, Any]] = [
     {"path": "bench/results/h200_2026-12-03/ab_mla-e256-fp8-dummy_launch1_c64.json"},
     {"path": "bench/results/h200_2026-12-03/ab_mla-e256-fp8-dummy_launch23_c1.json"},
     {"path": "bench/results/h200_2026-12-03/ab_mla-e256-fp8-dummy_launch23_c64.json"},
+    # DeepSeek-V3 at one TP-8 rank's shapes on one GPU (16 heads, expert intermediate 256, dense 2304; 256 experts
+    # top-8, block fp8, routers drawn; 2026-12-03c, bench/NOTES.md 79): stock on its tuned E=256,N=256 H200 file;
+    # cold fills one side per call, then three launches per side over two commands
+    {"path": "bench/results/h200_2026-12-03c/ab_mla8-fp8-dummy_launch12_c1.json"},
+    {"path": "bench/results/h200_2026-12-03c/ab_mla8-fp8-dummy_launch12_c64.json"},
+    {"path": "bench/results/h200_2026-12-03c/ab_mla8-fp8-dummy_launch3_c1.json"},
+    {"path": "bench/results/h200_2026-12-03c/ab_mla8-fp8-dummy_launch3_c64.json"},
 ]
 
 
@@ -505,17 +512,21 @@ WHY = {
                       "the board's power: latency-bound on both, as the Qwen3-MoE fp8 batch-1 cell. atom's expert "
                       "GEMV does not take these experts (the grouped tiles are 1.27x faster at T=1 on them: "
                       "bench/NOTES.md 76). The earlier 1.14x [0.94, 1.23] (H100, 2 launches, atom's own MLA kernel, "
-                      "stock without FlashInfer) and the 1.105x of 2026-12-02d (routing collapsed) are superseded.",
-    "mla-fp8-throughput": "Met at C=64: 1.249x [1.202, 2.114] over 3 launches (the batch-1 row's cell; per launch 2.11, "
-                          "1.20, 1.25: stock's first window compiled its fused_moe_kernel for the first time on the "
-                          "machine). The win is the experts: 512 (token, expert) pairs a step reach ~220 of 256 "
-                          "experts, ~9.8 GB per MoE layer and ~29 GB per step; atom's steps take ~8.4 ms (~3.5 TB/s of "
-                          "the H200's ~4.2 measured), stock's ~10.5 ms (~2.8 TB/s), its TRITON fp8 MoE on vLLM's "
-                          "default tile config: vLLM "
-                          "ships no tuned H200 file for E=256, N=2048 (one GPU holding whole experts), only for the "
-                          "N=256 / 512 shards of TP-8 / TP-4, which real DeepSeek-V3 deployments run. So this is a "
-                          "win over stock at this shape, not yet at a deployment's (bench/NOTES.md 79 plans the "
-                          "TP-8 shard's shape on one GPU). The H100 cell (3.02x, 2 launches, stock stalling) stays "
+                      "stock without FlashInfer) and the 1.105x of 2026-12-02d (routing collapsed) are superseded. "
+                      "At one TP-8 rank's shapes (2026-12-03c) 1.02x [0.96, 1.15] over 3 launches (per launch 0.97, "
+                      "1.01, 1.15), a tie, host-bound on both sides (GPU busy 29-38 %, ~0.26 of the power).",
+    "mla-fp8-throughput": "Missed at one TP-8 rank's shapes, a tie: 1.14x [0.87, 1.26] over 3 launches (DeepSeek-V3 "
+                          "with 16 heads, expert intermediate 256, dense 2304, 256 experts, 4 layers of 61, block "
+                          "fp8, dummy weights, routers drawn, H200, 2026-12-03c; per launch 1.26, 1.00, 1.00; stock on "
+                          "its tuned E=256,N=256 H200 fused-MoE file). Host-bound on both sides (GPU busy 37-47 %, "
+                          "~0.38-0.40 of the board's power; a step ~4 ms for 64 tokens): at 4 layers of one rank's "
+                          "small shards the GPU idles between steps, so the cell does not compare the kernels. Not "
+                          "profiled. At whole-expert shapes (one GPU holding DeepSeek-V3's 256 experts, 4 layers, "
+                          "2026-12-03) atom won 1.249x [1.202, 2.114]: 512 (token, expert) pairs a step reach ~220 "
+                          "experts, ~29 GB per step; atom's steps ~8.4 ms (~3.5 TB/s of the H200's ~4.2 measured), "
+                          "stock's ~10.5 ms (~2.8 TB/s) on vLLM's default tile config, for which vLLM ships no tuned "
+                          "H200 file at N=2048; deployments run the N=256 / 512 shards of TP-8 / TP-4, where it "
+                          "ships one (bench/NOTES.md 79). The H100 cell (3.02x, 2 launches, stock stalling) stays "
                           "shown.",
     "mla-fp8-memory": "Met; MLA's kv_b_proj stays dequantised for the absorbed decode: +16.8 MB per layer at "
                       "DeepSeek-V3 dims (1.02 GB over 61 layers).",
