@@ -210,7 +210,12 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "checkpoint served by a vLLM 0.26 engine, eager and with CUDA graphs, teacher-forced logprobs "
                  "within 0.92 (mean 0.096) of the fp32 model (stock vLLM 0.26 has no GPU MLA prefill for its "
                  "head dims); a DeepSeek-V3-dims block-fp8 checkpoint (4 layers, 64 experts) served and "
-                 "benchmarked vs stock's fp8 path in docs/performance.md (weight memory 1.01x stock's)",
+                 "benchmarked vs stock's fp8 path in docs/performance.md (weight memory 1.01x stock's). H200 "
+                 "(vLLM 0.26 with FlashInfer, dummy block-fp8 weights, routers drawn, 4 layers, 3 launches per "
+                 "side): with DeepSeek-V3's 256 whole experts on one GPU 1.25x [1.20, 2.11] stock's output tok/s "
+                 "at 64 sequences (stock on vLLM's default MoE tiles) and a tie at one; at one TP-8 rank's shapes "
+                 "(stock on its tuned tiles) ties at both, 1.02x [0.96, 1.15] and 1.14x [0.87, 1.26], the GPU "
+                 "host-bound on both sides. No loss measured, so atom serves these checkpoints on NVIDIA GPUs",
         quantization=("fp8",),
     ),
     ModelEntry(
