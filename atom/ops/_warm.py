@@ -3,14 +3,16 @@ process totals (:data:`TOTALS`).
 
 A warm-up's time is its kernels' just-in-time compiles (Triton's, or a host GEMM's: DeepGEMM,
 FlashInfer) when the caches are cold, and a few launches when they are warm, so these lines
-say where a cold start goes (bench/NOTES.md entry 78). Host time: the launches are not waited
-for (they are short next to a compile).
+say where a cold start goes (bench/NOTES.md entry 78). On a GPU the device is synchronised
+before and after each warm-up, so a line holds its own compiles and launches, not a wait on GPU
+work queued before it (entry 79: one shape's line took ~100 s in an engine's cold start, the same
+warm-up ~5 s alone).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable, Optional
 
 from atom._logging import get_logger
 
@@ -18,11 +20,26 @@ from atom._logging import get_logger
 TOTALS: dict[str, list] = {}
 
 
-def timed(kernel: str, shape: str, warm_up: Callable[[], int]) -> int:
+def _synchronize(device: Any) -> None:
+    """Wait for ``device``'s queued work when it is a CUDA (or HIP) device; nothing otherwise."""
+    if device is None:
+        return
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(kernel: str, shape: str, warm_up: Callable[[], int], device: Optional[Any] = None) -> int:
     """Run ``warm_up`` (returns its launches), log ``kernel``'s time for ``shape`` when it launched
-    anything, add it to :data:`TOTALS`, and return the launches."""
+    anything, add it to :data:`TOTALS`, and return the launches. ``device``: the warm-up's device;
+    a GPU's queued work is waited for before the clock starts and the warm-up's own before it
+    stops."""
+    _synchronize(device)
     start = time.perf_counter()
     launches = warm_up()
+    _synchronize(device)
     seconds = time.perf_counter() - start
     if launches:
         total = TOTALS.setdefault(kernel, [0, 0, 0.0])

@@ -251,4 +251,4 @@ def warm_up_paged_attention(num_heads: int, num_kv_heads: int, head_dim: int, dt
 
     return timed("paged_attention", f"{num_heads}/{num_kv_heads} heads x {head_dim}, page {page}",
                  lambda: warm_up(num_heads, num_kv_heads, head_dim, dtype, page, device, kv_dtype=kv_dtype,
-                                 window=int(sliding_window or 0), sinks=sinks))
+                                 window=int(sliding_window or 0), sinks=sinks), device)

@@ -221,8 +221,9 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
     block = (int(block_shape[0]), int(block_shape[1]))
     shape = str(tuple(weight.shape))
     launches = timed("fp8_block_gemm", shape, lambda: warm_up(weight, weight_scale, block, act_dtype, w8a8_from,
-                                                              has_bias))
+                                                              has_bias), weight.device)
     for host in _HOST_GEMMS if w8a8_from is not None else ():
         if host.warm_up is not None:
-            launches += timed(host.name, shape, lambda: host.warm_up(weight, weight_scale, block, act_dtype))
+            launches += timed(host.name, shape, lambda: host.warm_up(weight, weight_scale, block, act_dtype),
+                              weight.device)
     return launches

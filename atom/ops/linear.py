@@ -68,4 +68,4 @@ def warm_up_linear(weight: torch.Tensor, has_bias: bool = False, force: bool = F
         linear.run("triton", x, weight, bias)
         return 1
 
-    return timed("linear (GEMV)", str(tuple(weight.shape)), launch)
+    return timed("linear (GEMV)", str(tuple(weight.shape)), launch, weight.device)

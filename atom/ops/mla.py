@@ -282,4 +282,4 @@ def warm_up_mla_decode(num_heads: int, kv_lora_rank: int, rope_dim: int, dtype: 
     from atom.ops.mla_triton import warm_up  # lazy: Triton is optional
 
     return timed("mla_decode", f"{num_heads} heads, rank {kv_lora_rank} + {rope_dim}, page {page}",
-                 lambda: warm_up(num_heads, kv_lora_rank, rope_dim, dtype, page, device))
+                 lambda: warm_up(num_heads, kv_lora_rank, rope_dim, dtype, page, device), device)

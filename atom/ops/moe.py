@@ -293,4 +293,4 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_exper
     from atom.ops.moe_triton import warm_up  # lazy: Triton is optional
 
     return timed("fused_moe", f"w13 {tuple(w13.shape)} {w13.dtype}",
-                 lambda: warm_up(w13, w2, top_k, num_experts, act_dtype, **kwargs))
+                 lambda: warm_up(w13, w2, top_k, num_experts, act_dtype, **kwargs), w13.device)

@@ -183,6 +183,17 @@ def test_warm_up_compiles_every_bucket():
     assert warm_up_fp8_block_gemm(w, s, (64, 64), act_dtype=torch.bfloat16, w8a8_from=65, force=True) == 0
 
 
+def test_warm_up_times_on_the_weights_device(monkeypatch):
+    """The warm-up's timer is given the weight's device (on a GPU it syncs there: atom.ops._warm)."""
+    from atom.ops import _warm, warm_up_fp8_block_gemm
+
+    seen = []
+    monkeypatch.setattr(_warm, "_synchronize", seen.append)
+    w, s = _weights(64, 96, (64, 64))
+    assert warm_up_fp8_block_gemm(w, s, (64, 64), act_dtype=torch.bfloat16, w8a8_from=65, force=True) > 0
+    assert seen and all(d == w.device for d in seen)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 64, 256, 4096])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (576 + 1536, 7168), (576, 7168)])

@@ -46,6 +46,17 @@ def test_warm_up_once_per_shape():
     assert ops.warm_up_linear(w.float(), force=True) == 0  # fp32 weights never take the GEMV
 
 
+def test_warm_up_times_on_the_weights_device(monkeypatch):
+    """The warm-up's timer is given the weight's device (on a GPU it syncs there: atom.ops._warm)."""
+    from atom.ops import _warm
+
+    seen = []
+    monkeypatch.setattr(_warm, "_synchronize", seen.append)
+    w = torch.randn(24, 80).to(torch.bfloat16)
+    assert ops.warm_up_linear(w, force=True) == 1
+    assert seen == [w.device, w.device]
+
+
 @pytest.mark.parametrize("enabled", [False, True])
 def test_atom_linears_call_it_only_when_enabled(monkeypatch, enabled):
     """ATOM_BF16_GEMV=1: a bf16 layer routes through ops.linear after loading (and warms it up);

@@ -306,3 +306,27 @@ def test_gpu_ep_moe_in_cuda_graphs_at_capture_sizes():
         g.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+def test_a_warm_up_line_times_its_own_gpu_work_not_the_queue_before_it(monkeypatch):
+    """On a GPU ``timed`` waits for the device before starting its clock and after the warm-up:
+    a warm-up line is its own compiles and launches, not a wait on work queued before it (one
+    engine's cold start logged ~100 s for a shape that takes ~5 s alone: bench/NOTES.md 79).
+    The sync is faked here (the toolkit's own mechanics); on a CPU device nothing syncs."""
+    from atom.ops import _warm
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", str(device))))
+    monkeypatch.setattr(_warm, "TOTALS", {})
+
+    def warm_up():
+        events.append(("warm_up", None))
+        return 3
+
+    assert _warm.timed("k", "(1, 2)", warm_up, torch.device("cuda", 1)) == 3
+    assert events == [("sync", "cuda:1"), ("warm_up", None), ("sync", "cuda:1")]
+    assert _warm.TOTALS["k"][:2] == [1, 3]
+    events.clear()
+    assert _warm.timed("k", "(1, 2)", warm_up, torch.device("cpu")) == 3
+    assert _warm.timed("k", "(1, 2)", warm_up) == 3
+    assert events == [("warm_up", None), ("warm_up", None)]

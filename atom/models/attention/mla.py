@@ -438,4 +438,4 @@ class MLAttentionImpl:
                             causal=False, out=part, lse=lse)
             return 2
 
-        return launches + timed("mla_prefill", f"{heads} heads, rank {rank} + {rope}", prefill)
+        return launches + timed("mla_prefill", f"{heads} heads, rank {rank} + {rope}", prefill, device)
