@@ -16,6 +16,15 @@ popularity ~ 1 / rank^1.1, top-k drawn without replacement). Every config's outp
 with the default config's (and the default with the torch reference on the Qwen3 shape).
 Kernels compile first in ``--compile-workers`` processes (Triton's disk cache), so the timing
 process only loads them.
+
+``--vs-vllm``: atom's default path only, against vLLM's own fp8 fused MoE
+(``torch.ops.vllm.fused_experts``, block fp8, dynamic 1x128 activations: what stock's TRITON fp8
+MoE backend runs) on the same weights and routing, timed the same way, with vLLM's tile config
+as its engine picks it (its tuned file for ``E``, ``N`` = the expert intermediate size on this
+GPU, else its default). Shapes: DeepSeek-V3's whole experts and one TP-8 rank's shard of them
+(``dsv3-tp8``: intermediate 256, where vLLM ships a tuned H200 file), 1-512 tokens (bench/NOTES.md 80).
+
+    PYTHONPATH=.:/tmp/site python3 bench/moe_sweep.py --vs-vllm --repeat 3 --json out.json
 """
 
 from __future__ import annotations
@@ -34,8 +43,10 @@ from typing import Optional
 REPO = Path(__file__).resolve().parent.parent
 
 #: (name, experts, top_k, hidden, inter)
-SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "dsv3": (256, 8, 7168, 2048)}
-DRY_SHAPES = {"qwen3-30b": (16, 4, 256, 128), "dsv3": (16, 4, 256, 256)}
+SHAPES = {"qwen3-30b": (128, 8, 2048, 768), "dsv3": (256, 8, 7168, 2048), "dsv3-tp8": (256, 8, 7168, 256)}
+DRY_SHAPES = {"qwen3-30b": (16, 4, 256, 128), "dsv3": (16, 4, 256, 256), "dsv3-tp8": (16, 4, 256, 128)}
+#: --vs-vllm: the token counts per shape (decode batches up to a prefill chunk's share)
+VS_VLLM_TOKENS = (1, 2, 8, 32, 64, 128, 256, 512)
 
 
 def candidates(per_expert: float, fp8: bool, tokens: int = 0, short: bool = False):
@@ -82,8 +93,11 @@ def candidates(per_expert: float, fp8: bool, tokens: int = 0, short: bool = Fals
     return out
 
 
-def cases(dry: bool):
+def cases(dry: bool, vs_vllm: bool = False):
     """(shape, fp8, tokens, routing) in the sweep's order."""
+    if vs_vllm:
+        return [(shape, True, t, "uniform") for shape in ("dsv3", "dsv3-tp8")
+                for t in ((1, 8) if dry else VS_VLLM_TOKENS)]
     if dry:
         return [("qwen3-30b", True, 8, "uniform"), ("qwen3-30b", True, 8, "zipf"),
                 ("qwen3-30b", False, 8, "uniform"), ("dsv3", True, 1, "uniform")]
@@ -154,6 +168,35 @@ def kernel_split(torch, fn, flush, reps: int = 10) -> dict:
     return split
 
 
+def vllm_fused_experts(torch, x, w13, w2, tw, ti, kw):
+    """vLLM's fp8 fused MoE on atom's weight layout (w13 = [gate; up] rows, as vLLM's w1), or the
+    reason it cannot run here (no vLLM, a CPU build): ``(fn, None)`` or ``(None, reason)``."""
+    try:
+        import vllm.model_executor.layers.fused_moe.fused_moe  # noqa: F401  (registers the op)
+
+        op = torch.ops.vllm.fused_experts
+    except Exception as e:  # vLLM absent or its CUDA kernels missing
+        return None, f"{type(e).__name__}: {e}"[:200]
+
+    def fn():
+        return op(hidden_states=x, w1=w13, w2=w2, topk_weights=tw, topk_ids=ti, activation="silu",
+                  use_fp8_w8a8=True, w1_scale=kw["w13_scale"], w2_scale=kw["w2_scale"],
+                  block_shape=list(kw["block_shape"]))
+    return fn, None
+
+
+def vllm_config_name(e: int, inter: int) -> str:
+    """The tuned-config file vLLM's fp8 fused MoE looks for at these experts ("" when it has none,
+    so its default tiles run)."""
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_moe as vf
+
+        name = vf.get_config_file_name(e, inter, "fp8_w8a8", [128, 128])
+        return name if (Path(vf.__file__).parent / "configs" / name).exists() else ""
+    except Exception:
+        return ""
+
+
 def cfg_label(c) -> str:
     if not hasattr(c, "block_m"):  # a GemvConfig
         return "gemv " + ",".join(str(v) for v in dataclasses.astuple(c))
@@ -193,6 +236,21 @@ def compile_worker(shard: int, nshards: int, dry: bool, short: bool = False) -> 
     return 0
 
 
+def vs_vllm(torch, timer, x, w13, w2, tw, ti, kw, ref, experts: int, inter: int, dry: bool) -> dict:
+    """vLLM's fp8 fused MoE on the case: its time, its output's max error relative to atom's
+    (``ref``), and the tuned tile file it used ("" for its default tiles)."""
+    fn, why = vllm_fused_experts(torch, x, w13, w2, tw, ti, kw)
+    if fn is None or dry:
+        return {"vllm_skipped": why or "dry run"}
+    try:
+        out = fn()
+        err = (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-9)
+        us = timer(fn)
+    except Exception as e:  # a vLLM that cannot run this shape: say so, keep the sweep going
+        return {"vllm_skipped": f"{type(e).__name__}: {e}"[:200]}
+    return {"vllm_us": us, "vllm_rel_err_vs_atom": err, "vllm_config": vllm_config_name(experts, inter)}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH")
@@ -204,6 +262,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--short", action="store_true", help="fp8: only entry 73's finalist tiles")
     p.add_argument("--no-split", action="store_true", help="no per-kernel split (profiler)")
     p.add_argument("--repeat", type=int, default=1, help="time every case this many times (rounds)")
+    p.add_argument("--vs-vllm", action="store_true",
+                   help="atom's default against vLLM's fp8 fused MoE on DeepSeek-V3's whole and TP-8 experts")
     p.add_argument("--compile-shard", default="", help=argparse.SUPPRESS)  # "i/n": a worker
     args = p.parse_args(argv)
     if args.dry_run:
@@ -215,7 +275,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return compile_worker(i, n, args.dry_run, args.short)
 
     t0 = time.time()
-    if not args.dry_run and args.compile_workers > 0:
+    if not args.dry_run and args.compile_workers > 0 and not args.vs_vllm:  # --vs-vllm: one tile per case, its
+        # first call (outside the timer) compiles it
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         procs = [subprocess.Popen([sys.executable, __file__, f"--compile-shard={i}/{args.compile_workers}"]
                                   + (["--short"] if args.short else []), env=env)
@@ -238,7 +299,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     only = {s for s in args.only.split(",") if s}
     rows = []
     weights: dict = {}
-    for rnd, (shape, fp8, t, routing) in [(r, c) for r in range(args.repeat) for c in cases(args.dry_run)]:
+    for rnd, (shape, fp8, t, routing) in [(r, c) for r in range(args.repeat)
+                                          for c in cases(args.dry_run, args.vs_vllm)]:
         if (only and shape not in only) or (args.no_bf16 and not fp8):
             continue
         e, k, h, i = shapes[shape]
@@ -256,7 +318,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = torch.empty_like(x)
         default = (gemv_config(128 if fp8 else None, torch.bfloat16) if takes_gemv(t, k, e, fp8, expert_bytes(w13, w2))
                    else moe_config(t, k, e, 128 if fp8 else None, torch.bfloat16))  # what atom runs
-        cands = candidates(t * k / e, fp8, t, args.short)
+        cands = [default] if args.vs_vllm else candidates(t * k / e, fp8, t, args.short)
         if default not in cands:
             cands = [default] + cands
         ref = fused_moe_fwd(x, w13, w2, tw, ti, config=default, **kw).clone()
@@ -276,11 +338,32 @@ def main(argv: Optional[list[str]] = None) -> int:
                        per_expert=t * k / e, config=cfg_label(cfg), default=cfg == default, us=us,
                        split_us=split, bytes=nbytes, GBps=nbytes / us / 1e3 if us else None,
                        rel_err_vs_default=err, default_rel_err_vs_torch=ref_err)
+            if args.vs_vllm:
+                row.update(vs_vllm(torch, timer, x, w13, w2, tw, ti, kw, ref, e, i, args.dry_run))
+                if row.get("vllm_us"):
+                    row["atom_over_vllm"] = us / row["vllm_us"]
             rows.append(row)
             print(f"{shape:9s} {'fp8' if fp8 else 'bf16'} T={t:<4d} {routing:7s} {row['config']:40s} "
                   f"{us:8.1f} us {row['GBps'] or 0:6.0f} GB/s "
                   + " ".join(f"{k_}={v:.0f}" for k_, v in sorted(split.items()))
-                  + f" err={err:.1e}" + (" DEFAULT" if row["default"] else ""), flush=True)
+                  + f" err={err:.1e}" + (" DEFAULT" if row["default"] else "")
+                  + (f" | vLLM {row['vllm_us']:.1f} us, atom/vLLM time {row['atom_over_vllm']:.3f}, "
+                     f"err {row['vllm_rel_err_vs_atom']:.1e}, {row['vllm_config'] or 'default tiles'}"
+                     if row.get("vllm_us") else f" | vLLM: {row['vllm_skipped']}" if "vllm_skipped" in row else ""),
+                  flush=True)
+    if args.vs_vllm:
+        print("\natom / vLLM time per case (median over rounds; < 1: atom faster):")
+        by_case: dict = {}
+        for r in rows:
+            if r.get("vllm_us"):
+                by_case.setdefault((r["shape"], r["tokens"]), []).append(r)
+        for (shape, t), rs in by_case.items():
+            a = statistics.median(r["us"] for r in rs)
+            v = statistics.median(r["vllm_us"] for r in rs)
+            print(f"  {shape:8s} T={t:<4d} atom {a:8.1f} us  vLLM {v:8.1f} us  {a / v:.3f}  "
+                  f"({rs[0]['vllm_config'] or 'vLLM default tiles'}; {len(rs)} round(s), atom per round "
+                  + ", ".join(f"{r['us']:.1f}" for r in rs) + "; vLLM " + ", ".join(f"{r['vllm_us']:.1f}" for r in rs)
+                  + ")")
     # the best per case
     print("\nbest per case (vs the default):")
     by: dict = {}

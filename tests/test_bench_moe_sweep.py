@@ -51,3 +51,37 @@ def test_zipf_routing_draws_distinct_experts_with_skewed_popularity():
     ucounts = torch.bincount(uids.flatten().long(), minlength=64).float()
     # the most popular expert: ~0.16 of the pairs under 1/rank^1.1 (without replacement), 1/64 uniform
     assert counts.max() > 3 * ucounts.max()
+
+
+def test_vs_vllm_cases_are_deepseek_v3s_whole_and_tp8_experts_at_decode_and_prefill_sizes():
+    cases = sweep.cases(False, vs_vllm=True)
+    assert {c[0] for c in cases} == {"dsv3", "dsv3-tp8"} and all(c[1] and c[3] == "uniform" for c in cases)
+    assert {c[2] for c in cases} >= {1, 64, 512}
+    e, k, h, i = sweep.SHAPES["dsv3-tp8"]
+    assert (e, k, h, i) == (256, 8, 7168, 2048 // 8)  # one TP-8 rank's shard of DeepSeek-V3's experts
+
+
+def test_vs_vllm_row_times_vllm_on_the_same_inputs_and_says_why_when_it_cannot(monkeypatch):
+    """The row's vLLM fields come from one call on the case's own inputs (timed by the sweep's
+    timer) and its error against atom's output; without a runnable vLLM the row says why."""
+    from atom.ops.moe import fused_moe
+
+    w13, w2, kw = sweep.make_weights(torch, torch.device("cpu"), 4, 256, 128, True, torch.bfloat16)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    tw, ti = sweep.route(torch, torch.device("cpu"), 3, 4, 2, "uniform", seed=0)
+    ref = fused_moe.run("torch", x, w13, w2, tw, ti, **kw)
+    seen = []
+
+    def fake(torch_, x_, w13_, w2_, tw_, ti_, kw_):  # stands in for torch.ops.vllm.fused_experts
+        seen.append((x_ is x, w13_ is w13, ti_ is ti, kw_ is kw))
+        return (lambda: fused_moe.run("torch", x_, w13_, w2_, tw_, ti_, **kw_) * 1.01), None
+
+    monkeypatch.setattr(sweep, "vllm_fused_experts", fake)
+    monkeypatch.setattr(sweep, "vllm_config_name", lambda e, i: f"E={e},N={i}.json")
+    row = sweep.vs_vllm(torch, lambda fn: 7.0, x, w13, w2, tw, ti, kw, ref, 4, 128, dry=False)
+    assert seen == [(True, True, True, True)]
+    assert row["vllm_us"] == 7.0 and row["vllm_config"] == "E=4,N=128.json"
+    assert abs(row["vllm_rel_err_vs_atom"] - 0.01) < 2e-3
+    monkeypatch.setattr(sweep, "vllm_fused_experts", lambda *a: (None, "ImportError: no vllm"))
+    assert sweep.vs_vllm(torch, None, x, w13, w2, tw, ti, kw, ref, 4, 128, dry=False) == {
+        "vllm_skipped": "ImportError: no vllm"}
