@@ -211,7 +211,12 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
     it), and the host GEMMs' own variants where they have a warm-up (:class:`HostGemm`) and W8A8 is
     on (no host GEMM serves a layer that asked for W8A16 only); once per
     process and shape. Returns the launches made: 0 when the op would not run Triton on the
-    weight's device unless ``force`` (tests, under the Triton interpreter)."""
+    weight's device unless ``force`` (tests, under the Triton interpreter).
+
+    The host GEMMs warm up first: the op hands the batch sizes they serve to them, so warmed
+    after, a host kernel's first just-in-time compile (FlashInfer's swap-AB module, ~100 s cold
+    on the H200) ran inside atom's own line and was logged as atom's Triton GEMM (bench/NOTES.md
+    80)."""
     key = (tuple(weight.shape), tuple(weight_scale.shape), tuple(int(b) for b in block_shape), act_dtype,
            str(weight.device), w8a8_from, has_bias)
     if not fp8_block_gemm.claim_warm_up(key, weight.device.type, force):
@@ -220,10 +225,10 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
 
     block = (int(block_shape[0]), int(block_shape[1]))
     shape = str(tuple(weight.shape))
-    launches = timed("fp8_block_gemm", shape, lambda: warm_up(weight, weight_scale, block, act_dtype, w8a8_from,
-                                                              has_bias), weight.device)
+    launches = 0
     for host in _HOST_GEMMS if w8a8_from is not None else ():
         if host.warm_up is not None:
             launches += timed(host.name, shape, lambda: host.warm_up(weight, weight_scale, block, act_dtype),
                               weight.device)
-    return launches
+    return launches + timed("fp8_block_gemm", shape, lambda: warm_up(weight, weight_scale, block, act_dtype,
+                                                                      w8a8_from, has_bias), weight.device)

@@ -324,7 +324,7 @@ def test_host_gemm_warm_up_runs_with_the_layers_warm_up():
 
 
 def test_warm_up_times_each_kernel_apart(monkeypatch, caplog):
-    """A warm-up's time is logged per kernel and shape (atom's Triton GEMM, then each host GEMM
+    """A warm-up's time is logged per kernel and shape (each host GEMM, then atom's Triton GEMM,
     apart: a cold start's JIT time by kernel), and added to the process totals; a shape already
     warmed logs nothing."""
     import logging
@@ -333,7 +333,7 @@ def test_warm_up_times_each_kernel_apart(monkeypatch, caplog):
     from atom.ops.fp8_gemm import HostGemm, set_host_gemm
 
     monkeypatch.setattr(_warm, "TOTALS", {})
-    clock = iter([10.0, 12.5, 20.0, 20.25])  # atom's warm-up 2.5 s, the host's 0.25 s
+    clock = iter([20.0, 20.25, 10.0, 12.5])  # the host's warm-up 0.25 s, then atom's 2.5 s
     monkeypatch.setattr(_warm.time, "perf_counter", lambda: next(clock))
     w, s = _weights(48, 64, (16, 32))
     set_host_gemm(HostGemm(lambda *a: None, 8, "fake-host", lambda *a: 3))
@@ -346,8 +346,28 @@ def test_warm_up_times_each_kernel_apart(monkeypatch, caplog):
     mine = launches - 3
     assert _warm.TOTALS == {"fp8_block_gemm": [1, mine, 2.5], "fake-host": [1, 3, 0.25]}
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up")]
-    assert lines == [f"warm-up fp8_block_gemm (48, 64): {mine} launches in 2.5 s (fp8_block_gemm so far: 2.5 s)",
-                     "warm-up fake-host (48, 64): 3 launches in 0.2 s (fake-host so far: 0.2 s)"]
+    assert lines == ["warm-up fake-host (48, 64): 3 launches in 0.2 s (fake-host so far: 0.2 s)",
+                     f"warm-up fp8_block_gemm (48, 64): {mine} launches in 2.5 s (fp8_block_gemm so far: 2.5 s)"]
+
+
+def test_host_gemms_warm_before_atoms_triton_gemm(monkeypatch):
+    """The host GEMMs' warm-ups run before atom's: atom's warm-up sizes the op hands to a host
+    GEMM would otherwise hold that host kernel's first compile in atom's line (an engine's cold
+    start logged ~100 s for atom's Triton GEMM at the first weight FlashInfer's swap-AB kernel
+    serves, where the same Triton warm-up alone took ~5 s: bench/NOTES.md 80)."""
+    from atom.ops import fp8_gemm_triton, warm_up_fp8_block_gemm
+    from atom.ops.fp8_gemm import HostGemm, set_host_gemm
+
+    order = []
+    monkeypatch.setattr(fp8_gemm_triton, "warm_up", lambda *a: order.append("atom") or 4)
+    w, s = _weights(56, 64, (16, 32))  # a shape no other test warms (once per process and shape)
+    set_host_gemm(HostGemm(lambda *a: None, 2, "small", lambda *a: order.append("small") or 2, max_tokens=8),
+                  HostGemm(lambda *a: None, 8, "large", lambda *a: order.append("large") or 3))
+    try:
+        assert warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, w8a8_from=8, force=True) == 9
+    finally:
+        set_host_gemm(None)
+    assert order == ["small", "large", "atom"]
 
 
 @pytest.mark.gpu
