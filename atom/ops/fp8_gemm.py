@@ -214,9 +214,9 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
     weight's device unless ``force`` (tests, under the Triton interpreter).
 
     The host GEMMs warm up first: the op hands the batch sizes they serve to them, so warmed
-    after, a host kernel's first just-in-time compile (FlashInfer's swap-AB module, ~100 s cold
-    on the H200) ran inside atom's own line and was logged as atom's Triton GEMM (bench/NOTES.md
-    80)."""
+    after, a host kernel's first just-in-time compile ran inside atom's own line and was logged
+    as atom's Triton GEMM (by the code, FlashInfer's swap-AB module: the ~100 s an H200 cold start
+    logged for atom's line at the first weight that kernel serves; bench/NOTES.md 80)."""
     key = (tuple(weight.shape), tuple(weight_scale.shape), tuple(int(b) for b in block_shape), act_dtype,
            str(weight.device), w8a8_from, has_bias)
     if not fp8_block_gemm.claim_warm_up(key, weight.device.type, force):
