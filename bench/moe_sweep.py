@@ -93,8 +93,14 @@ def candidates(per_expert: float, fp8: bool, tokens: int = 0, short: bool = Fals
     return out
 
 
-def cases(dry: bool, vs_vllm: bool = False):
-    """(shape, fp8, tokens, routing) in the sweep's order."""
+def cases(dry: bool, vs_vllm: bool = False, tp8: bool = False, tokens: tuple = (), shapes: tuple = ()):
+    """(shape, fp8, tokens, routing) in the sweep's order. ``tp8``: the tile sweep at one TP-8 rank's
+    DeepSeek-V3 experts only (bench/NOTES.md 81). ``tokens``: fp8, uniform routing, these batch sizes
+    on each of ``shapes`` (default all three) instead of the default list (entry 82)."""
+    if tp8:
+        shapes, tokens = ("dsv3-tp8",), tokens or ((1, 8) if dry else VS_VLLM_TOKENS)
+    if tokens:
+        return [(shape, True, t, "uniform") for shape in (shapes or tuple(SHAPES)) for t in tokens]
     if vs_vllm:
         return [(shape, True, t, "uniform") for shape in ("dsv3", "dsv3-tp8")
                 for t in ((1, 8) if dry else VS_VLLM_TOKENS)]
@@ -206,7 +212,8 @@ def cfg_label(c) -> str:
     return s + (" swap" if c.swap_ab else "")
 
 
-def compile_worker(shard: int, nshards: int, dry: bool, short: bool = False) -> int:
+def compile_worker(shard: int, nshards: int, dry: bool, short: bool = False, tp8: bool = False,
+                   tokens: tuple = (), only: tuple = ()) -> int:
     """Compile (by running once) this shard's share of every (shape, dtype, config): small
     expert counts, since the compiled kernels do not depend on them."""
     import torch
@@ -216,7 +223,7 @@ def compile_worker(shard: int, nshards: int, dry: bool, short: bool = False) -> 
     dev = torch.device("cpu" if dry else "cuda")
     shapes = DRY_SHAPES if dry else SHAPES
     jobs = []
-    for shape, fp8, t, _ in cases(dry):
+    for shape, fp8, t, _ in cases(dry, tp8=tp8, tokens=tokens, shapes=only):
         e, k, h, i = shapes[shape]
         for cfg in candidates(t * k / e, fp8, t, short):
             jobs.append((shape, fp8, cfg))
@@ -264,22 +271,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="time every case this many times (rounds)")
     p.add_argument("--vs-vllm", action="store_true",
                    help="atom's default against vLLM's fp8 fused MoE on DeepSeek-V3's whole and TP-8 experts")
+    p.add_argument("--tp8-sweep", action="store_true",
+                   help="every candidate tile at one TP-8 rank's DeepSeek-V3 experts (dsv3-tp8) only")
+    p.add_argument("--tokens", default="", help="comma-separated batch sizes: fp8, uniform routing, on the "
+                   "--only shapes (default all), every candidate tile")
     p.add_argument("--compile-shard", default="", help=argparse.SUPPRESS)  # "i/n": a worker
     args = p.parse_args(argv)
+    tokens = tuple(int(v) for v in args.tokens.split(",") if v)
+    only_shapes = tuple(s for s in args.only.split(",") if s)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "bench"))
     if args.compile_shard:
         i, n = (int(v) for v in args.compile_shard.split("/"))
-        return compile_worker(i, n, args.dry_run, args.short)
+        return compile_worker(i, n, args.dry_run, args.short, args.tp8_sweep, tokens, only_shapes)
 
     t0 = time.time()
     if not args.dry_run and args.compile_workers > 0 and not args.vs_vllm:  # --vs-vllm: one tile per case, its
         # first call (outside the timer) compiles it
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         procs = [subprocess.Popen([sys.executable, __file__, f"--compile-shard={i}/{args.compile_workers}"]
-                                  + (["--short"] if args.short else []), env=env)
+                                  + (["--short"] if args.short else [])
+                                  + (["--tp8-sweep"] if args.tp8_sweep else [])
+                                  + [f"--tokens={args.tokens}", f"--only={args.only}"], env=env)
                  for i in range(args.compile_workers)]
         bad = [p.wait() for p in procs]
         print(f"compiled in {time.time() - t0:.0f} s (workers' exit codes {sorted(set(bad))})", flush=True)
@@ -288,6 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from ops_compute import Timer, measure_peaks
     from atom.ops.moe import fused_moe
+    from atom.ops.fp8_gemm_triton import num_sms
     from atom.ops.moe_triton import expert_bytes, fused_moe_fwd, gemv_config, moe_config, takes_gemv
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
@@ -300,7 +316,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = []
     weights: dict = {}
     for rnd, (shape, fp8, t, routing) in [(r, c) for r in range(args.repeat)
-                                          for c in cases(args.dry_run, args.vs_vllm)]:
+                                          for c in cases(args.dry_run, args.vs_vllm, args.tp8_sweep, tokens,
+                                                         only_shapes)]:
         if (only and shape not in only) or (args.no_bf16 and not fp8):
             continue
         e, k, h, i = shapes[shape]
@@ -317,7 +334,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         nbytes = used * 3 * h * i * (1 if fp8 else 2) + 2 * t * h * 2
         out = torch.empty_like(x)
         default = (gemv_config(128 if fp8 else None, torch.bfloat16) if takes_gemv(t, k, e, fp8, expert_bytes(w13, w2))
-                   else moe_config(t, k, e, 128 if fp8 else None, torch.bfloat16))  # what atom runs
+                   else moe_config(t, k, e, 128 if fp8 else None, torch.bfloat16, i,
+                                   num_sms(dev)))  # what atom runs (fused_moe_fwd's choice)
         cands = [default] if args.vs_vllm else candidates(t * k / e, fp8, t, args.short)
         if default not in cands:
             cands = [default] + cands

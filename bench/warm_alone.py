@@ -40,8 +40,8 @@ def main() -> int:
     p.add_argument("--w8a8-from", type=int, default=None,
                    help="W8A8 from this many tokens (default: ATOM_FP8_W8A8_MIN_TOKENS, as the engine's warm-up)")
     p.add_argument("--with-host-gemms", action="store_true",
-                   help="vLLM imported and its DeepGEMM / FlashInfer kernels warmed after atom's, per shape, as an "
-                        "engine's load does")
+                   help="vLLM imported and its DeepGEMM / FlashInfer kernels warmed before atom's Triton GEMM, per "
+                        "shape, as an engine's load does")
     args = p.parse_args()
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")

@@ -85,3 +85,20 @@ def test_vs_vllm_row_times_vllm_on_the_same_inputs_and_says_why_when_it_cannot(m
     monkeypatch.setattr(sweep, "vllm_fused_experts", lambda *a: (None, "ImportError: no vllm"))
     assert sweep.vs_vllm(torch, None, x, w13, w2, tw, ti, kw, ref, 4, 128, dry=False) == {
         "vllm_skipped": "ImportError: no vllm"}
+
+
+def test_tp8_sweep_times_every_candidate_tile_at_one_tp8_ranks_experts_only():
+    cases = sweep.cases(False, tp8=True)
+    assert {c[0] for c in cases} == {"dsv3-tp8"} and all(c[1] and c[3] == "uniform" for c in cases)
+    assert {c[2] for c in cases} == set(sweep.VS_VLLM_TOKENS)
+    e, k, _, i = sweep.SHAPES["dsv3-tp8"]
+    assert (e, k, i) == (256, 8, 256)
+    # the sweep proper (many tiles per case), not the one default tile of --vs-vllm
+    assert all(len(sweep.candidates(t * k / e, True, t)) > 1 for _, _, t, _ in cases)
+
+
+def test_tokens_sweeps_every_tile_at_the_given_batch_sizes_on_the_given_shapes():
+    cases = sweep.cases(False, tokens=(2, 3), shapes=("qwen3-30b", "dsv3-tp8"))
+    assert cases == [("qwen3-30b", True, 2, "uniform"), ("qwen3-30b", True, 3, "uniform"),
+                     ("dsv3-tp8", True, 2, "uniform"), ("dsv3-tp8", True, 3, "uniform")]
+    assert {c[0] for c in sweep.cases(False, tokens=(4,))} == set(sweep.SHAPES)
