@@ -148,13 +148,15 @@ def test_fused_moe_tile_bucket_counts_the_local_experts(monkeypatch):
     from atom.ops import moe_triton as mt
 
     asked, real = [], mt.moe_config
-    monkeypatch.setattr(mt, "moe_config", lambda t, k, e, *a, **kw: asked.append((t, k, e)) or real(t, k, e, *a, **kw))
+    monkeypatch.setattr(mt, "moe_config", lambda t, k, e, *a, **kw: asked.append((t, k, e, *a[2:])) or
+                        real(t, k, e, *a, **kw))
     args, kw = make_moe(40, 48, 24, 5, 2, torch.bfloat16, seed=5, global_experts=12)
     expert_map = torch.full((12,), -1, dtype=torch.int32)
     expert_map[torch.tensor([0, 3, 4, 8, 10])] = torch.arange(5, dtype=torch.int32)
     out, ref = run_moe(args, dict(kw, expert_map=expert_map.to(DEV)))
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    assert asked == [(40, 2, 5)]
+    # also the experts' intermediate size and the device's SM count (the fp8 small-grid tile)
+    assert asked == [(40, 2, 5, 24, mt.num_sms(args[0].device))]
 
 
 def test_routing_keeps_expert_ids_valid_for_nan_logits():
@@ -213,6 +215,47 @@ def test_fused_moe_fp8_separate_quant_pass_and_expert_map():
         fused_moe_fwd(*args, out=out, config=cfg, **kw)
         scale = ref.float().abs().max().item()
         torch.testing.assert_close(out.float(), ref.float(), atol=0.03 * scale, rtol=0.05)
+
+
+def test_fp8_small_grid_tile_where_gemm1_fills_under_half_the_sms(monkeypatch):
+    """fp8 batches of 2+ tokens whose gemm1 grid (128-wide tiles) would fill under half the SMs take
+    the 64-wide, 5-stage swapped tile (bench/NOTES.md entry 82: one TP-8 rank's DeepSeek-V3 experts at
+    2-4 tokens); one token, wider experts, more tokens, bf16, more than 16 pairs per expert, or an
+    unknown intermediate size / SM count keep the earlier tiles (the GPU's tiles: the interpreter's
+    are switched off here)."""
+    from atom.ops import moe_triton as mt
+
+    monkeypatch.setattr(mt, "triton_interpreting", lambda: False)
+    small = mt.MoeConfig(16, 64, 64, 128, 1, 4, 5, swap_ab=True)
+
+    def cfg(t, experts=256, inter=256, sms=132, quant=128):
+        return mt.moe_config(t, 8, experts, quant, torch.bfloat16, inter, sms)
+
+    default = mt.moe_config(2, 8, 256, 128, torch.bfloat16)
+    assert default.block_n1 == 128 and default.swap_ab and default != small
+    assert [cfg(t) == small for t in range(1, 7)] == [False, True, True, True, False, False]
+    assert cfg(1) == cfg(5) == default
+    assert all(cfg(t, 128, 768) == default for t in range(2, 9))  # Qwen3-30B-A3B: 96+ programs at 2 tokens
+    assert all(cfg(t, 256, 2048) == default for t in range(1, 9))  # whole DeepSeek-V3 experts
+    assert cfg(3, inter=None) == cfg(3, sms=None) == default
+    assert cfg(3, sms=264) == small and cfg(3, sms=64) == default  # per SM
+    assert cfg(3, quant=None) == mt.moe_config(3, 8, 256, None, torch.bfloat16)  # bf16 unchanged
+    # 8 local experts (EP) of 128: small up to 16 pairs per expert, then the larger-batch tiles
+    assert cfg(16, 8, 128) == small and cfg(17, 8, 128) == mt.moe_config(17, 8, 8, 128, torch.bfloat16)
+
+
+def test_fp8_small_grid_tile_matches_the_reference():
+    """The small-grid tile (64-wide gemm1, its output quantised in the separate pass) on odd sizes
+    with experts missing: the reference's numbers."""
+    from atom.ops.moe_triton import MoeConfig, fused_moe_fwd
+
+    args, kw = make_moe(3, 384, 320, 4, 2, torch.bfloat16, seed=82, fp8_block=(128, 128), global_experts=6)
+    kw = dict(kw, expert_map=torch.tensor([0, -1, 1, 2, -1, 3], dtype=torch.int32, device=DEV))
+    ref = fused_moe.run("torch", *args, **kw)
+    out = torch.full_like(args[0], float("nan"))
+    fused_moe_fwd(*args, out=out, config=MoeConfig(16, 64, 64, 128, 1, 4, 5, swap_ab=True), **kw)
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.03 * scale, rtol=0.05)
 
 
 @pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],

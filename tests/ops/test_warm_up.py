@@ -108,11 +108,13 @@ def _not_specialised(kernel) -> list[str]:
 
 @pytest.mark.parametrize("top_k,experts", [(8, 128), (8, 64), (2, 8), (8, 256), (1, 16), (4, 32)])
 @pytest.mark.parametrize("fp8,expert_bytes", [(False, 0), (True, 0), (True, 44 << 20)])
-def test_moe_warm_up_counts_meet_every_tile_config(monkeypatch, top_k, experts, fp8, expert_bytes):
+@pytest.mark.parametrize("inter,sms", [(None, None), (256, 132), (256, 100), (128, 132), (2048, 132)])
+def test_moe_warm_up_counts_meet_every_tile_config(monkeypatch, top_k, experts, fp8, expert_bytes, inter, sms):
     """The warm-up sizes meet every (tile config, align CHUNK) pair, and the small-batch path,
     that any batch of up to 8,192 tokens would (H100 configs: the interpreter's tiny tiles are
     switched off here); also for fp8 experts too large for the small-batch path (DeepSeek-V3's
-    44 MB: one token goes to the grouped tiles)."""
+    44 MB: one token goes to the grouped tiles), and with the experts' intermediate size and the SM
+    count known (the fp8 small-grid bucket: one TP-8 rank's DeepSeek-V3 experts, inter 256)."""
     from atom.ops import moe_triton as mt
 
     monkeypatch.setattr(mt, "triton_interpreting", lambda: False)
@@ -121,10 +123,10 @@ def test_moe_warm_up_counts_meet_every_tile_config(monkeypatch, top_k, experts, 
     def variant(t: int):
         if mt.takes_gemv(t, top_k, experts, fp8, expert_bytes):  # the small-batch path: one variant per layer
             return mt.gemv_config(quant, torch.bfloat16)
-        return mt.moe_config(t, top_k, experts, quant, torch.bfloat16), mt.align_chunk(t * top_k)
+        return mt.moe_config(t, top_k, experts, quant, torch.bfloat16, inter, sms), mt.align_chunk(t * top_k)
 
     want = {variant(t) for t in range(1, 8193)}
-    assert {variant(t) for t in mt.warm_up_token_counts(top_k, experts)} == want
+    assert {variant(t) for t in mt.warm_up_token_counts(top_k, experts, inter, sms)} == want
 
 
 def test_attention_warm_up_runs_once_per_shape():
@@ -173,9 +175,11 @@ def test_moe_layer_warm_up_keeps_its_output(monkeypatch):
     before = layer(x, logits)
     assert layer.warm_up_kernels() == 0  # CPU: nothing to compile unless forced
     asked, real = [], moe_triton.warm_up_token_counts
-    monkeypatch.setattr(moe_triton, "warm_up_token_counts", lambda k, e: asked.append((k, e)) or real(k, e))
+    monkeypatch.setattr(moe_triton, "warm_up_token_counts",
+                        lambda k, e, *a: asked.append((k, e, *a)) or real(k, e, *a))
     n = layer.warm_up_kernels(force=True)
-    assert asked == [(2, 4)] and n == len(real(2, 4))  # the local expert count, not the global 8
+    # the local expert count, not the global 8; the local intermediate size; the SM count
+    assert asked == [(2, 4, 16, moe_triton.num_sms(layer.w13.device))] and n == len(real(2, 4))
     assert layer.warm_up_kernels(force=True) == 0
     torch.testing.assert_close(layer(x, logits), before)
 
