@@ -344,7 +344,7 @@ def small_grid(num_tokens: int, top_k: int, num_experts: int, inter: Optional[in
     :data:`SMALL_GRID_PROGRAMS_PER_SM` programs per SM, counting at most ``min(pairs, experts)``
     16-row blocks of pairs, or ``pairs / 16`` when more (False when the intermediate size or the SM
     count is not known); within the swapped tiles' bucket (up to 16 pairs per expert). One token
-    stays on the 128-wide tiles: there the 64-wide ones measured 0.88-0.90x their speed (bench/NOTES.md
+    stays on the 128-wide tiles: there the small-grid tile measured 0.87-0.90x their speed (bench/NOTES.md
     entry 82; the GEMV path usually takes it)."""
     pairs = num_tokens * top_k
     if not inter or not num_sms or num_tokens < 2 or pairs > 16 * num_experts:
@@ -418,8 +418,8 @@ MOE_CONFIG_EDGES = (4, 16, 192)
 def warm_up_token_counts(top_k: int, num_local: int, inter: Optional[int] = None,
                          num_sms: Optional[int] = None) -> list[int]:
     """Batch sizes that meet every tile bucket of :func:`moe_config` (just below and above each
-    edge; with ``inter`` and ``num_sms`` every size of the small-grid bucket, a few) and every
-    ``CHUNK`` of the align kernel (pairs in each power-of-two bucket up to 1024)."""
+    edge; with ``inter`` and ``num_sms`` also the small-grid bucket's first size and the first past
+    it) and every ``CHUNK`` of the align kernel (pairs in each power-of-two bucket up to 1024)."""
     counts = {1}
     if small_grid(2, top_k, num_local, inter, num_sms):  # the small-grid bucket (2 tokens up): the first
         last = 2  # size past it; the sizes inside it are met by 2 and by the align CHUNKs' sizes below
