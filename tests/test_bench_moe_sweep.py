@@ -67,14 +67,14 @@ def test_vs_vllm_row_times_vllm_on_the_same_inputs_and_says_why_when_it_cannot(m
     from atom.ops.moe import fused_moe
 
     w13, w2, kw = sweep.make_weights(torch, torch.device("cpu"), 4, 256, 128, True, torch.bfloat16)
-    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     tw, ti = sweep.route(torch, torch.device("cpu"), 3, 4, 2, "uniform", seed=0)
     ref = fused_moe.run("torch", x, w13, w2, tw, ti, **kw)
     seen = []
 
     def fake(torch_, x_, w13_, w2_, tw_, ti_, kw_):  # stands in for torch.ops.vllm.fused_experts
         seen.append((x_ is x, w13_ is w13, ti_ is ti, kw_ is kw))
-        return (lambda: fused_moe.run("torch", x_, w13_, w2_, tw_, ti_, **kw_) * 1.01), None
+        return (lambda: fused_moe.run("torch", x_, w13_, w2_, tw_, ti_, **kw_).float() * 1.01), None  # no bf16 rounding
 
     monkeypatch.setattr(sweep, "vllm_fused_experts", fake)
     monkeypatch.setattr(sweep, "vllm_config_name", lambda e, i: f"E={e},N={i}.json")

@@ -333,19 +333,16 @@ class MoeConfig:
     num_stages2: int = 0
 
 
-#: fp8: below this many gemm1 programs per SM (at 128 columns of the expert intermediate per
-#: program) the 64-wide small-grid tile runs (:func:`moe_config`).
+#: fp8: below this many gemm1 programs per SM (128-wide tiles) the small-grid tile runs (:func:`moe_config`).
 SMALL_GRID_PROGRAMS_PER_SM = 0.5
 
 
 def small_grid(num_tokens: int, top_k: int, num_experts: int, inter: Optional[int], num_sms: Optional[int],
                block: int = 128) -> bool:
-    """Whether a batch of two or more tokens has gemm1's grid at ``block``-wide tiles under
-    :data:`SMALL_GRID_PROGRAMS_PER_SM` programs per SM, counting at most ``min(pairs, experts)``
-    16-row blocks of pairs, or ``pairs / 16`` when more (False when the intermediate size or the SM
-    count is not known); within the swapped tiles' bucket (up to 16 pairs per expert). One token
-    stays on the 128-wide tiles: there the small-grid tile measured 0.87-0.90x their speed (bench/NOTES.md
-    entry 82; the GEMV path usually takes it)."""
+    """Whether 2+ tokens, up to 16 pairs per expert, have gemm1's grid at ``block``-wide tiles under
+    :data:`SMALL_GRID_PROGRAMS_PER_SM` programs per SM (``min(pairs, experts)`` 16-row blocks, or ``pairs /
+    16`` when more; False without ``inter`` or ``num_sms``). One token keeps the 128-wide tiles: the
+    small-grid tile measured 0.87-0.90x their speed there (bench/NOTES.md entry 82)."""
     pairs = num_tokens * top_k
     if not inter or not num_sms or num_tokens < 2 or pairs > 16 * num_experts:
         return False
@@ -356,10 +353,8 @@ def small_grid(num_tokens: int, top_k: int, num_experts: int, inter: Optional[in
 def moe_config(num_tokens: int, top_k: int, num_experts: int, block_k_quant: Optional[int],
                dtype: torch.dtype = torch.bfloat16, inter: Optional[int] = None,
                num_sms: Optional[int] = None) -> MoeConfig:
-    """Tile choice by tokens per expert (H100-shaped; tiny under the interpreter). ``inter``
-    (the experts' intermediate size, per rank) and ``num_sms`` (the GPU's): for fp8, a batch whose
-    gemm1 grid would fill under half the SMs (:func:`small_grid`: a few tokens on narrow experts,
-    one TP-8 rank's DeepSeek-V3 shard) takes 64-wide tiles with a deeper pipeline instead.
+    """Tile choice by tokens per expert (H100-shaped; tiny under the interpreter). With ``inter``
+    (per rank) and ``num_sms``, fp8 batches of :func:`small_grid` take 64-wide, 5-stage tiles.
 
     GEMM1 computes the gate and up halves in one program, so its BLOCK_N is half the width a
     plain GEMM over ``2 * inter`` columns would use. With fp8 block scales BLOCK_K is the
@@ -379,10 +374,8 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, block_k_quant: Opt
     if block_k_quant:
         bk = block_k_quant
         if small_grid(num_tokens, top_k, num_experts, inter, num_sms, bk):
-            # Twice gemm1's programs (its output then takes the separate quantisation pass) and a
-            # 5-stage pipeline: on the H200 (bench/NOTES.md entry 82) 1.26x / 1.18x / 1.14x faster than
-            # the swapped 128-wide tiles at 2 / 3 / 4 tokens on one TP-8 rank's DeepSeek-V3 experts
-            # (32-62 gemm1 programs on 132 SMs); 0.88-0.94x from 120 programs, so only under half the SMs
+            # twice gemm1's programs (output quantised in a separate pass): H200, bench/NOTES.md 82: 1.26 / 1.18 /
+            # 1.14x faster at 2 / 3 / 4 tokens on a TP-8 rank's DeepSeek-V3 experts (32-62 programs on 132 SMs)
             return MoeConfig(16, 64, 64, bk, 1, 4, 5, swap_ab=True)
         if per_expert <= 16:
             # A and B swapped (the weight rows on the MMA's M side) and BLOCK_N1 = block_k (GEMM1
@@ -418,14 +411,11 @@ MOE_CONFIG_EDGES = (4, 16, 192)
 def warm_up_token_counts(top_k: int, num_local: int, inter: Optional[int] = None,
                          num_sms: Optional[int] = None) -> list[int]:
     """Batch sizes that meet every tile bucket of :func:`moe_config` (just below and above each
-    edge; with ``inter`` and ``num_sms`` also the small-grid bucket's first size and the first past
-    it) and every ``CHUNK`` of the align kernel (pairs in each power-of-two bucket up to 1024)."""
+    edge, and the small-grid bucket's) and every ``CHUNK`` of the align kernel (pairs in each
+    power-of-two bucket up to 1024)."""
     counts = {1}
-    if small_grid(2, top_k, num_local, inter, num_sms):  # the small-grid bucket (2 tokens up): the first
-        last = 2  # size past it; the sizes inside it are met by 2 and by the align CHUNKs' sizes below
-        while small_grid(last + 1, top_k, num_local, inter, num_sms):
-            last += 1
-        counts |= {2, last + 1}
+    if small_grid(2, top_k, num_local, inter, num_sms):  # 2 and the first size past the small-grid bucket
+        counts |= {2, next(t for t in range(3, 1 << 30) if not small_grid(t, top_k, num_local, inter, num_sms))}
     for edge in MOE_CONFIG_EDGES:
         t = max(1, edge * num_local // top_k)
         counts |= {t, t + 1}
@@ -511,11 +501,10 @@ def fused_moe_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # expert: dividing by the global count instead was measured on an EP=2 rank (H100, bench/NOTES.md
     # entry 22) as a tie or a few % at most batch sizes and 1.46x slower for fp8 at 1,024 tokens
     # (the table's 64-tokens-per-expert fp8 tile is the slow one there, not the count).
-    cfg = config or moe_config(num_tokens, top_k, num_local, scale_bk if fp8 else None, x.dtype, inter,
-                               num_sms(x.device))
+    dev = x.device
+    cfg = config or moe_config(num_tokens, top_k, num_local, scale_bk if fp8 else None, x.dtype, inter, num_sms(dev))
     bm = cfg.block_m
     upcast, prec = dot_flags(x.dtype)
-    dev = x.device
 
     # 1. sort pairs by expert, blocks of bm rows
     max_padded = (cdiv(num_pairs, bm) + min(num_local, num_pairs)) * bm
