@@ -312,13 +312,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
     print(f"{name}: {json.dumps({k: round(v) for k, v in peaks.items()})}", flush=True)
     shapes = DRY_SHAPES if args.dry_run else SHAPES
-    only = {s for s in args.only.split(",") if s}
     rows = []
     weights: dict = {}
     for rnd, (shape, fp8, t, routing) in [(r, c) for r in range(args.repeat)
                                           for c in cases(args.dry_run, args.vs_vllm, args.tp8_sweep, tokens,
                                                          only_shapes)]:
-        if (only and shape not in only) or (args.no_bf16 and not fp8):
+        if (only_shapes and shape not in only_shapes) or (args.no_bf16 and not fp8):
             continue
         e, k, h, i = shapes[shape]
         key = (shape, fp8)
