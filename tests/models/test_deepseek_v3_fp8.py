@@ -193,7 +193,7 @@ BLOCK = dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight
 VARIANTS = {
     # q_lora_rank 64 is half a tile: q_a_proj and kv_a_proj_with_mqa load unfused (see below).
     "block_q_lora_off_tile": (BLOCK, {"q_lora_rank": 64}),
-    # No q-LoRA (Kimi-K2 / V2-Lite attention): q_proj is quantised.
+    # No q-LoRA (DeepSeek-V2-Lite's attention; Kimi-K2 has q-LoRA as V3): q_proj is quantised.
     "block_no_q_lora": (BLOCK, {"q_lora_rank": None}),
     # Per-tensor scales: one per matrix, the fused q_a/kv_a with one each.
     "per_tensor_dynamic": (dict(quant_method="fp8", activation_scheme="dynamic"), {}),
