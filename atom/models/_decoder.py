@@ -338,8 +338,14 @@ class GatedMLP(nn.Module):
     def fp8_producer_links(self) -> list[tuple[SiluAndMul, list[Any]]]:
         return [(self.act_fn, [self.down_proj])]
 
-    def forward(self, x: Activation) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    @property
+    def reduce_group(self) -> Optional[Any]:
+        """The group the down projection sums over (None with one rank)."""
+        return self.down_proj.reduce_group
+
+    def forward(self, x: Activation, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: this rank's partial sum (see :meth:`RowParallelLinear.forward`)."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)), reduce=reduce)
 
 
 class LlamaFamilyForCausalLM(DecoderForCausalLM):

@@ -25,7 +25,7 @@ import functools
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -419,8 +419,20 @@ class RowParallelLinear(Fp8Linear):
     def _gemm_bias(self) -> Optional[torch.Tensor]:
         return None
 
-    def forward(self, x: Activation) -> torch.Tensor:
+    @property
+    def reduce_group(self) -> Optional[Any]:
+        """The group :meth:`forward` sums over (None with one rank)."""
+        return self.parallel.tp_group if self.parallel.tp_size > 1 else None
+
+    def forward(self, x: Activation, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: this rank's partial sum, for a caller that adds it to another partial
+        sum over the same group and reduces once (:func:`atom.models._moe.routed_and_shared`)."""
         y = self._matmul(x)
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("a row-parallel layer with a bias adds it after the reduction; reduce=False "
+                                 "would leave it out")
+            return y
         if self.parallel.tp_size > 1:
             y = self.parallel.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -276,9 +276,9 @@ class FusedMoE(nn.Module):
         return self.forward_routed(hidden_states, topk_weights, topk_ids)
 
     def forward_routed(self, hidden_states: Activation, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor) -> torch.Tensor:
+                       topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The experts for a routing already chosen (``[T, top_k]`` weights and global ids),
-        summed over the TP or EP group."""
+        summed over the TP or EP group (``reduce=False``: this rank's partial sum)."""
         if self.block_shape is None and self.w13.dtype == FP8_DTYPE:
             raise RuntimeError("fp8 experts used before process_weights_after_loading() repacked them")
         act, hidden_states = ((hidden_states, hidden_states.x) if isinstance(hidden_states, QuantizedActivation)
@@ -286,7 +286,7 @@ class FusedMoE(nn.Module):
         fp8_in = {} if act is None or self.block_shape is None else dict(x_fp8=act.q, x_fp8_scale=act.scale)
         out = ops.fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids, **self._fused_moe_kwargs(),
                             **fp8_in)
-        if self.reduce_group is not None:
+        if reduce and self.reduce_group is not None:
             out = self.reduce_group.all_reduce(out)
         return out
 
@@ -294,6 +294,21 @@ class FusedMoE(nn.Module):
         return (f"experts={self.num_local_experts}/{self.num_experts} from {self.expert_start}, "
                 f"top_k={self.top_k}, local_inter={self.local_inter}, {self.activation_kwargs['activation']}"
                 f"{', bias' if self.w13_bias is not None else ''}")
+
+
+def routed_and_shared(experts: FusedMoE, shared: Optional[nn.Module], hidden_states: Activation,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts plus the always-on shared ones (``shared(x, reduce=...)``, e.g.
+    :class:`atom.models._decoder.GatedMLP`; None: none). When both sum over the same group (TP, or EP
+    whose group is the TP group) each rank adds its two partial sums and the group reduces once, as
+    vLLM's ``SharedFusedMoE`` does: one all-reduce per layer instead of two and no separate add of two
+    reduced outputs (bench/NOTES.md 86)."""
+    group = experts.reduce_group
+    once = shared is not None and group is not None and group is getattr(shared, "reduce_group", None)
+    out = experts.forward_routed(hidden_states, topk_weights, topk_ids, reduce=not once)
+    if shared is not None:
+        out = out + shared(hidden_states, reduce=not once)
+    return group.all_reduce(out) if once else out
 
 
 class GroupedTopkRouter(nn.Module):

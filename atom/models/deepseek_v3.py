@@ -70,7 +70,7 @@ from atom.models._decoder import DecoderForCausalLM, DecoderLayer, GatedMLP, joi
 from atom.models._layers import RMSNorm, RotaryEmbedding, rope_parameters, yarn_mscale
 from atom.models._linear import ColumnParallelLinear, OutputSlice, RowParallelLinear, divide
 from atom.models._loading import StackedParams
-from atom.models._moe import FusedMoE, GroupedTopkRouter
+from atom.models._moe import FusedMoE, GroupedTopkRouter, routed_and_shared
 from atom.models._quant import Fp8Spec, fp8_spec, layer_spec
 from atom.models.interfaces import AttentionFactory, ModelParallel
 from atom.ops.fused_quant import Activation, plain
@@ -298,10 +298,7 @@ class DeepseekV3MoE(nn.Module):
 
     def forward(self, hidden_states: Activation) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(plain(hidden_states))
-        out = self.experts.forward_routed(hidden_states, topk_weights, topk_ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
-        return out
+        return routed_and_shared(self.experts, self.shared_experts, hidden_states, topk_weights, topk_ids)
 
 
 def num_routed_experts(hf_config: Any) -> int:

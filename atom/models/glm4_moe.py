@@ -27,7 +27,7 @@ from torch import nn
 from atom.config import Config
 from atom.models._decoder import STACKED_PARAMS, AttentionOptions, GatedMLP, LlamaFamilyForCausalLM
 from atom.models._loading import StackedParams
-from atom.models._moe import FusedMoE, GroupedTopkRouter
+from atom.models._moe import FusedMoE, GroupedTopkRouter, routed_and_shared
 from atom.models.interfaces import ModelParallel
 
 #: RoPE base and rotated fraction of each head when a config omits them (HF Glm4MoeConfig's).
@@ -63,10 +63,7 @@ class Glm4MoeSparseMoeBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden_states)
-        out = self.experts.forward_routed(hidden_states, topk_weights, topk_ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
-        return out
+        return routed_and_shared(self.experts, self.shared_experts, hidden_states, topk_weights, topk_ids)
 
 
 class Glm4MoeForCausalLM(LlamaFamilyForCausalLM):

@@ -266,6 +266,38 @@ def test_unsupported_routing_is_refused():
         check_routing(SimpleNamespace(scoring_func="softmax", topk_method="group_limited_greedy", hidden_act="silu"))
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2-one-group"])
+def test_a_moe_block_with_a_shared_expert_reduces_once(expert_parallel: bool, hf_checkpoints):
+    """Routed and shared experts sum over the same group, so each rank adds its two partial sums and
+    the block runs one all-reduce, not two (bench/NOTES.md 86; vLLM's SharedFusedMoE reduces once).
+    That holds under TP and under EP whose group is the TP group (what atom.plugin.vllm.model_wrapper.
+    model_parallel hands the model when vLLM's EP group holds the TP group's ranks). Every rank's
+    block output equals the single-rank block's."""
+    from atom.models.interfaces import ModelParallel
+
+    hf, tensors = hf_checkpoints("grouped_yarn")
+    x = torch.randn(5, hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = _atom_model(hf, tensors).model.layers[1].mlp(x)
+    group = ThreadGroup(2)
+    ranks, calls = [group.rank(r) for r in range(2)], [0, 0]
+    for r, rank in enumerate(ranks):
+        def counted(t, r=r, inner=rank.all_reduce):
+            calls[r] += 1
+            return inner(t)
+        rank.all_reduce = counted
+    models = [_atom_model(hf, tensors, ModelParallel(
+        tp_rank=r, tp_size=2, tp_group=ranks[r],
+        **({"ep_rank": r, "ep_size": 2, "ep_group": ranks[r]} if expert_parallel else {})),
+        expert_parallel=expert_parallel) for r in range(2)]
+    block = models[0].model.layers[1].mlp
+    assert block.shared_experts is not None and block.experts.reduce_group is ranks[0]
+    outs = run_ranks(group, lambda r: models[r].model.layers[1].mlp(x))
+    assert calls == [1, 1]
+    for out in outs:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("tp,ep", [(2, None), (2, 2), (1, 2)], ids=["tp2", "tp2-ep2", "ep2"])
 def test_parallel_ranks_match_single_rank(tp: int, ep: Optional[int], hf_checkpoints):
     """TP splits the heads (q_b_proj / kv_b_proj / o_proj), the dense and shared-expert MLPs and
