@@ -307,6 +307,15 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_bool, _BOOL,
         ),
         EnvVar(
+            "ATOM_FUSE_SHARED_EXPERTS", "bool", "1",
+            "MoE models with shared experts (DeepSeek-V3 / Kimi-K2, DeepSeek-V2-Lite, GLM-4-MoE) under "
+            "tensor parallelism: the shared experts are held as extra experts of the fused MoE, each "
+            "token routed to them with weight 1, so one set of expert kernels computes both (no separate "
+            "shared MLP, activation and add per layer). 0 = a separate shared MLP. Not under expert "
+            "parallelism, nor when ignored_layers quantises the shared and routed experts differently.",
+            _parse_bool, _BOOL,
+        ),
+        EnvVar(
             "ATOM_BF16_GEMV", "bool", "1",
             "Unquantised (bf16 / fp16) linears of atom's models on NVIDIA GPUs: a step of one token "
             "runs atom's Triton GEMV instead of cuBLAS (0.73-0.93x cuBLAS's time per layer at Qwen3 / "

@@ -8,6 +8,11 @@ Weights are stacked per layer, the layout :func:`atom.ops.fused_moe` takes: ``w1
 ``w2`` is ``[local_experts, hidden, local_inter]``. They are filled at load from the
 checkpoint's per-expert matrices (:meth:`FusedMoE.checkpoint_params` names them).
 
+Shared experts (DeepSeek-V3, GLM-4-MoE): :func:`routed_and_shared` adds them to the routed sum,
+either held in the fused MoE's slots after the routed experts (``FusedMoE(..., shared_experts=n)``,
+tensor parallel, ``ATOM_FUSE_SHARED_EXPERTS``: every token routed to each slot with weight 1) or as a
+separate MLP whose partial sum joins the routed one before the single all-reduce.
+
 Parallelism (the MoE output is a sum of partial results, reduced once per layer):
 
 * tensor parallel (default): every rank holds every expert, with its intermediate dim split
@@ -38,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom import ops
+from atom import envs, ops
 from atom.models._linear import divide
 from atom.models._loading import StackedParams
 from atom.models._quant import FP8_DTYPE, Fp8Spec, dequant_block, fp8_w8a8_from
@@ -70,6 +75,10 @@ class FusedMoE(nn.Module):
             ``swiglu_limit`` for the latter.
         bias: per-expert biases ``w13_bias [E, 2 * inter]`` and ``w2_bias [E, hidden]``. In
             tensor-parallel mode only TP rank 0 adds ``w2_bias`` (the partial outputs are summed).
+        shared_experts: slots after the routed experts for always-on shared experts of the same
+            shape (tensor parallel only): slot ``E + j`` holds the ``j``-th ``intermediate_size``
+            chunk of the checkpoint's ``shared_experts`` MLP, and :func:`routed_and_shared` routes
+            every token to each slot with weight 1 (bench/NOTES.md 87).
     """
 
     def __init__(
@@ -88,9 +97,13 @@ class FusedMoE(nn.Module):
         swiglu_limit: Optional[float] = 7.0,
         bias: bool = False,
         quant: Optional[Fp8Spec] = None,
+        shared_experts: int = 0,
     ) -> None:
         super().__init__()
+        if shared_experts and (use_expert_parallel or bias):
+            raise ValueError("shared-expert slots need tensor-parallel experts without biases")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.num_shared, self.intermediate_size = shared_experts, intermediate_size
         self.activation_kwargs = ({"activation": "swigluoai", "swiglu_alpha": float(swiglu_alpha),
                                    "swiglu_limit": None if swiglu_limit is None else float(swiglu_limit)}
                                   if activation == "swigluoai" else {"activation": activation})
@@ -104,7 +117,7 @@ class FusedMoE(nn.Module):
             self.local_inter = divide(intermediate_size, parallel.tp_size, "moe intermediate size")
             self.inter_start = parallel.tp_rank * self.local_inter
             self.reduce_group = parallel.tp_group if parallel.tp_size > 1 else None
-        e, i = self.num_local_experts, self.local_inter
+        e, i = self.num_local_experts + shared_experts, self.local_inter
         self.quant, self.act_dtype = quant, dtype or torch.get_default_dtype()
         self.block_shape: Optional[tuple[int, int]] = None  # set when the experts run in fp8
         wdtype = FP8_DTYPE if quant is not None else dtype
@@ -130,8 +143,12 @@ class FusedMoE(nn.Module):
         else:
             self.w13_bias = self.w2_bias = None
             self.adds_w2_bias = False
-        if e < num_experts:
+        if shared_experts:  # the slots' ids, appended to every token's top-k (buffers: never in a checkpoint)
+            self.register_buffer("shared_ids", torch.arange(num_experts, num_experts + shared_experts,
+                                                            dtype=torch.int32)[None], persistent=False)
+        if self.num_local_experts < num_experts:
             # A buffer, not a parameter: derived from the layout, never in a checkpoint.
+            e = self.num_local_experts
             expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
             expert_map[self.expert_start:self.expert_start + e] = torch.arange(e, dtype=torch.int32)
             self.register_buffer("expert_map", expert_map, persistent=False)
@@ -141,10 +158,12 @@ class FusedMoE(nn.Module):
     @staticmethod
     def checkpoint_params(num_experts: int, module: str = "experts",
                           names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                          quant: Optional[Fp8Spec] = None) -> StackedParams:
+                          quant: Optional[Fp8Spec] = None, shared: Optional[str] = None) -> StackedParams:
         """How HF's ``{module}.{e}.{gate,up,down}.weight`` (and, for fp8, their scales) land in
         ``{module}.w13/w2`` (``w13_weight_scale_inv``, ...); ``names`` are the checkpoint's gate,
-        up and down matrix names (Mixtral: ``w1``, ``w3``, ``w2``)."""
+        up and down matrix names (Mixtral: ``w1``, ``w3``, ``w2``). ``shared``: the checkpoint
+        module of the shared experts that ride in the slots after the routed ones (shard id
+        ``("shared", which)``)."""
         gate, up, down = names
         tensors = ["weight"]  # checkpoint tensor -> parameter ``w13_<tensor>`` (``w13`` for the weight)
         if quant is not None:
@@ -152,13 +171,14 @@ class FusedMoE(nn.Module):
             if quant.block is None and quant.static_activations:
                 tensors.append("input_scale")
         params = []
-        for e in range(num_experts):
+        for e in [*range(num_experts), *(["shared"] if shared else [])]:
+            src = f"{module}.{e}" if e != "shared" else shared
             for tensor in tensors:
                 sfx = "" if tensor == "weight" else f"_{tensor}"
                 params += [
-                    (f"{module}.w13{sfx}", f"{module}.{e}.{gate}.{tensor}", (e, GATE)),
-                    (f"{module}.w13{sfx}", f"{module}.{e}.{up}.{tensor}", (e, UP)),
-                    (f"{module}.w2{sfx}", f"{module}.{e}.{down}.{tensor}", (e, DOWN)),
+                    (f"{module}.w13{sfx}", f"{src}.{gate}.{tensor}", (e, GATE)),
+                    (f"{module}.w13{sfx}", f"{src}.{up}.{tensor}", (e, UP)),
+                    (f"{module}.w2{sfx}", f"{src}.{down}.{tensor}", (e, DOWN)),
                 ]
         return params
 
@@ -166,9 +186,27 @@ class FusedMoE(nn.Module):
         """Copy this rank's part of one expert's checkpoint matrix or scale (others' experts:
         nothing)."""
         expert, which = shard_id
+        if expert == "shared":  # chunk j of the shared MLP's intermediate dim -> slot E + j
+            for j in range(self.num_shared):
+                self._load_local(param_name, self._shared_chunk(param_name, loaded, j, which),
+                                 self.num_local_experts + j, which, f"shared expert chunk {j}")
+            return
         local = expert - self.expert_start
         if not 0 <= local < self.num_local_experts:
             return
+        self._load_local(param_name, loaded, local, which, f"expert {expert}")
+
+    def _shared_chunk(self, param_name: str, loaded: torch.Tensor, j: int, which: int) -> torch.Tensor:
+        """The ``j``-th ``intermediate_size`` chunk of a shared-expert matrix or block scale (rows of
+        gate/up, columns of down; a per-tensor scale is every chunk's)."""
+        if param_name.endswith(("_weight_scale", "_input_scale")):
+            return loaded
+        size = self.intermediate_size
+        if param_name.endswith("_weight_scale_inv"):  # whole tiles per chunk (fuses_shared_experts' check)
+            size = -(-size // self.quant.block[1 if which == DOWN else 0])
+        return loaded.narrow(1 if which == DOWN else 0, j * size, size)
+
+    def _load_local(self, param_name: str, loaded: torch.Tensor, local: int, which: int, what: str) -> None:
         if param_name.endswith(("_weight_scale", "_input_scale")):  # per-tensor: one number
             param = getattr(self, param_name).data[local]
             (param if which == DOWN else param[which]).copy_(loaded.reshape(()))
@@ -182,7 +220,7 @@ class FusedMoE(nn.Module):
         else:
             src, dst = loaded.narrow(0, start, i), self.w13.data[local].narrow(0, which * i, i)
         if dst.shape != src.shape:
-            raise ValueError(f"expert {expert} {param_name}[{which}]: checkpoint slice {tuple(src.shape)} "
+            raise ValueError(f"{what} {param_name}[{which}]: checkpoint slice {tuple(src.shape)} "
                              f"!= expected {tuple(dst.shape)}")
         dst.copy_(src)
 
@@ -216,8 +254,8 @@ class FusedMoE(nn.Module):
         made."""
         if (self.w13.device.type != "cuda" and not force) or (self.w13.dtype == FP8_DTYPE and self.block_shape is None):
             return 0
-        return ops.warm_up_fused_moe(self.w13, self.w2, self.top_k, self.num_experts, act_dtype=self.act_dtype,
-                                     force=force, **self._fused_moe_kwargs())
+        return ops.warm_up_fused_moe(self.w13, self.w2, self.top_k + self.num_shared, self.num_experts + self.num_shared,
+                                     act_dtype=self.act_dtype, force=force, **self._fused_moe_kwargs())
 
     def _fused_moe_kwargs(self) -> dict:
         """The keywords this layer passes to :func:`atom.ops.fused_moe` besides weights and routing."""
@@ -298,17 +336,33 @@ class FusedMoE(nn.Module):
 
 def routed_and_shared(experts: FusedMoE, shared: Optional[nn.Module], hidden_states: Activation,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts plus the always-on shared ones (``shared(x, reduce=...)``, e.g.
-    :class:`atom.models._decoder.GatedMLP`; None: none). When both sum over the same group (TP, or EP
+    """The routed experts plus the always-on shared ones: in the fused MoE's slots
+    (``experts.num_shared``: each token's top-k gets the slots with weight 1) or a separate module
+    (``shared(x, reduce=...)``, e.g. :class:`atom.models._decoder.GatedMLP`; None: none). When both sum over the same group (TP, or EP
     whose group is the TP group) each rank adds its two partial sums and the group reduces once, as
     vLLM's ``SharedFusedMoE`` does: one all-reduce per layer instead of two and no separate add of two
     reduced outputs (bench/NOTES.md 86)."""
+    if experts.num_shared:  # the shared experts in the fused MoE's slots: weight 1 for every token
+        t = topk_ids.shape[0]
+        topk_ids = torch.cat([topk_ids, experts.shared_ids.to(topk_ids.dtype).expand(t, -1)], dim=1)
+        topk_weights = torch.cat([topk_weights, topk_weights.new_ones(t, experts.num_shared)], dim=1)
     group = experts.reduce_group
     once = shared is not None and group is not None and group is getattr(shared, "reduce_group", None)
     out = experts.forward_routed(hidden_states, topk_weights, topk_ids, reduce=not once)
     if shared is not None:
         out = out + shared(hidden_states, reduce=not once)
     return group.all_reduce(out) if once else out
+
+
+def fuses_shared_experts(num_shared: int, use_expert_parallel: bool, intermediate_size: int = 0,
+                         block: Optional[tuple[int, int]] = None) -> bool:
+    """Whether a MoE block's shared experts ride in its fused MoE's slots (``FusedMoE(...,
+    shared_experts=)``): there are some, the experts are tensor parallel (under EP the routed
+    experts are whole and the shared ones split: other shapes), several shared chunks start on
+    whole fp8 tiles (``block``), and ``ATOM_FUSE_SHARED_EXPERTS``."""
+    if num_shared > 1 and block is not None and (intermediate_size % block[0] or intermediate_size % block[1]):
+        return False
+    return num_shared > 0 and not use_expert_parallel and bool(envs.ATOM_FUSE_SHARED_EXPERTS)
 
 
 class GroupedTopkRouter(nn.Module):

@@ -70,7 +70,7 @@ from atom.models._decoder import DecoderForCausalLM, DecoderLayer, GatedMLP, joi
 from atom.models._layers import RMSNorm, RotaryEmbedding, rope_parameters, yarn_mscale
 from atom.models._linear import ColumnParallelLinear, OutputSlice, RowParallelLinear, divide
 from atom.models._loading import StackedParams
-from atom.models._moe import FusedMoE, GroupedTopkRouter, routed_and_shared
+from atom.models._moe import FusedMoE, GroupedTopkRouter, fuses_shared_experts, routed_and_shared
 from atom.models._quant import Fp8Spec, fp8_spec, layer_spec
 from atom.models.interfaces import AttentionFactory, ModelParallel
 from atom.ops.fused_quant import Activation, plain
@@ -272,23 +272,25 @@ class DeepseekV3MoE(nn.Module):
     """Routed experts (sum weighted by the router) plus the shared experts."""
 
     def __init__(self, hf_config: Any, parallel: ModelParallel, use_expert_parallel: bool,
-                 dtype: Optional[torch.dtype], quant: Optional[Fp8Spec] = None, checkpoint_prefix: str = "") -> None:
+                 dtype: Optional[torch.dtype], quant: Optional[Fp8Spec] = None, checkpoint_prefix: str = "",
+                 fuse_shared: bool = False) -> None:
         super().__init__()
         n = num_routed_experts(hf_config)
+        shared = int(getattr(hf_config, "n_shared_experts", None) or 0)
         # The router (``gate``) stays unquantised in fp8 checkpoints.
         self.gate = DeepseekV3Router(hf_config, n)
-        # The router returns final weights; FusedMoE's own (softmax) routing is not used.
+        # The router returns final weights; FusedMoE's own (softmax) routing is not used. With
+        # ``fuse_shared`` the shared experts are its extra slots (see shares_expert_slots).
         self.experts = FusedMoE(
             n, int(hf_config.num_experts_per_tok), hf_config.hidden_size, hf_config.moe_intermediate_size,
             parallel, renormalize=False, use_expert_parallel=use_expert_parallel, dtype=dtype,
-            quant=layer_spec(quant, checkpoint_prefix,
-                             [f"experts.{e}.{p}" for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")]),
+            quant=layer_spec(quant, checkpoint_prefix, [f"experts.{e}.{p}" for e in range(n) for p in _MATS]),
+            shared_experts=shared if fuse_shared else 0,
         )
-        shared = int(getattr(hf_config, "n_shared_experts", None) or 0)
         self.shared_experts = (
             GatedMLP(hf_config.hidden_size, hf_config.moe_intermediate_size * shared, parallel, dtype, quant=quant,
                      checkpoint_prefix=join_prefix(checkpoint_prefix, "shared_experts"))
-            if shared else None
+            if shared and not fuse_shared else None
         )
 
     def fp8_input_readers(self) -> list[Any]:
@@ -299,6 +301,30 @@ class DeepseekV3MoE(nn.Module):
     def forward(self, hidden_states: Activation) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(plain(hidden_states))
         return routed_and_shared(self.experts, self.shared_experts, hidden_states, topk_weights, topk_ids)
+
+
+_MATS = ("gate_proj", "up_proj", "down_proj")
+
+
+def shares_expert_slots(hf_config: Any, quant: Optional[Fp8Spec], use_expert_parallel: bool) -> bool:
+    """Whether every MoE layer's shared experts ride in its fused MoE's slots
+    (:func:`atom.models._moe.fuses_shared_experts`), which also needs them quantised as the routed
+    experts in every layer (an ``ignored_layers`` entry for one and not the other keeps the
+    separate MLP). One answer for the model: the checkpoint names map to one layout."""
+    shared = int(getattr(hf_config, "n_shared_experts", None) or 0)
+    if not fuses_shared_experts(shared, use_expert_parallel, int(hf_config.moe_intermediate_size),
+                                None if quant is None else quant.block):
+        return False
+    if quant is None or not quant.ignored:
+        return True
+    n = num_routed_experts(hf_config)
+    for i in range(int(hf_config.num_hidden_layers)):
+        if is_moe_layer(hf_config, i):
+            p = f"model.layers.{i}.mlp"
+            names = [f"{p}.experts.{e}.{m}" for e in range(n) for m in _MATS] + [f"{p}.shared_experts.{m}" for m in _MATS]
+            if len({name in quant.ignored for name in names}) > 1:
+                return False
+    return True
 
 
 def num_routed_experts(hf_config: Any) -> int:
@@ -362,6 +388,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
                                      is_neox_style=not bool(getattr(hf, "rope_interleave", True)))
         scale = attention_scale(hf, params)
         self.quant = fp8_spec(hf)
+        self.fuse_shared = shares_expert_slots(hf, self.quant, config.enable_expert_parallel)
         layers = []
         for i in range(hf.num_hidden_layers):
             ckpt = f"model.layers.{i}"
@@ -370,7 +397,8 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
                                        checkpoint_prefix=f"{ckpt}.self_attn")
             if is_moe_layer(hf, i):
                 mlp: nn.Module = DeepseekV3MoE(hf, parallel, config.enable_expert_parallel, config.dtype,
-                                               quant=self.quant, checkpoint_prefix=f"{ckpt}.mlp")
+                                               quant=self.quant, checkpoint_prefix=f"{ckpt}.mlp",
+                                               fuse_shared=self.fuse_shared)
             else:
                 mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, parallel, config.dtype, quant=self.quant,
                                checkpoint_prefix=f"{ckpt}.mlp")
@@ -382,7 +410,8 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         otherwise match the dense ``gate_proj`` entry)."""
         stacked: list = []
         if any(is_moe_layer(self.hf_config, i) for i in range(self.hf_config.num_hidden_layers)):
-            stacked += FusedMoE.checkpoint_params(num_routed_experts(self.hf_config), quant=self.quant)
+            stacked += FusedMoE.checkpoint_params(num_routed_experts(self.hf_config), quant=self.quant,
+                                                  shared="shared_experts" if getattr(self, "fuse_shared", False) else None)
         stacked += DENSE_STACKED
         if fuses_qkv_a(self.hf_config, self.quant):
             stacked += QKV_A_STACKED

@@ -27,7 +27,7 @@ from torch import nn
 from atom.config import Config
 from atom.models._decoder import STACKED_PARAMS, AttentionOptions, GatedMLP, LlamaFamilyForCausalLM
 from atom.models._loading import StackedParams
-from atom.models._moe import FusedMoE, GroupedTopkRouter, routed_and_shared
+from atom.models._moe import FusedMoE, GroupedTopkRouter, fuses_shared_experts, routed_and_shared
 from atom.models.interfaces import ModelParallel
 
 #: RoPE base and rotated fraction of each head when a config omits them (HF Glm4MoeConfig's).
@@ -40,7 +40,7 @@ class Glm4MoeSparseMoeBlock(nn.Module):
     ``mlp.experts.{e}.{gate,up,down}_proj.weight``, ``mlp.shared_experts.{gate,up,down}_proj.weight``."""
 
     def __init__(self, hf_config: Any, parallel: ModelParallel, use_expert_parallel: bool,
-                 dtype: Optional[torch.dtype]) -> None:
+                 dtype: Optional[torch.dtype], fuse_shared: bool = False) -> None:
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
@@ -52,14 +52,16 @@ class Glm4MoeSparseMoeBlock(nn.Module):
             topk_groups=int(getattr(hf_config, "topk_group", 1) or 1),
             routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0)), renormalize=renormalize,
         )
-        self.experts = FusedMoE(n, top_k, hidden, hf_config.moe_intermediate_size, parallel,
-                                renormalize=renormalize, use_expert_parallel=use_expert_parallel, dtype=dtype)
         n_shared = int(getattr(hf_config, "n_shared_experts", 0) or 0)
+        # ``fuse_shared``: the shared experts are the fused MoE's extra slots (fuses_shared_experts)
+        self.experts = FusedMoE(n, top_k, hidden, hf_config.moe_intermediate_size, parallel,
+                                renormalize=renormalize, use_expert_parallel=use_expert_parallel, dtype=dtype,
+                                shared_experts=n_shared if fuse_shared else 0)
         # Tensor parallel like any dense MLP (also under expert parallelism: vLLM's EP group is
         # the TP group, so both sums cover the same ranks).
         self.shared_experts = (GatedMLP.of(hf_config, parallel, dtype,
                                            intermediate_size=hf_config.moe_intermediate_size * n_shared)
-                               if n_shared else None)
+                               if n_shared and not fuse_shared else None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden_states)
@@ -85,11 +87,16 @@ class Glm4MoeForCausalLM(LlamaFamilyForCausalLM):
         hf = config.hf_config
         if layer_idx < int(getattr(hf, "first_k_dense_replace", 0) or 0):
             return GatedMLP.of(hf, parallel, config.dtype)
-        return Glm4MoeSparseMoeBlock(hf, parallel, config.enable_expert_parallel, config.dtype)
+        # one answer for every layer: the checkpoint names map to one layout
+        self.fuse_shared = fuses_shared_experts(int(getattr(hf, "n_shared_experts", 0) or 0),
+                                                config.enable_expert_parallel)
+        return Glm4MoeSparseMoeBlock(hf, parallel, config.enable_expert_parallel, config.dtype,
+                                     fuse_shared=self.fuse_shared)
 
     def stacked_params(self) -> StackedParams:
         # Expert entries first: ``experts.3.gate_proj`` is not the dense ``gate_proj``.
-        return [*FusedMoE.checkpoint_params(self.hf_config.n_routed_experts), *STACKED_PARAMS]
+        shared = "shared_experts" if getattr(self, "fuse_shared", False) else None
+        return [*FusedMoE.checkpoint_params(self.hf_config.n_routed_experts, shared=shared), *STACKED_PARAMS]
 
     def skip_weight(self, name: str) -> bool:
         """Also the MTP layers ``model.layers.{num_hidden_layers + i}.*`` (vLLM's

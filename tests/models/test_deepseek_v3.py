@@ -258,6 +258,32 @@ def test_moe_layer_selection_follows_first_k_dense_and_layer_freq():
     assert not any(is_moe_layer(SimpleNamespace(n_routed_experts=0), i) for i in range(3))
 
 
+def test_when_the_shared_experts_ride_in_the_fused_moe(monkeypatch):
+    """shares_expert_slots: under TP with ATOM_FUSE_SHARED_EXPERTS on, unless EP, an ignored_layers
+    entry that quantises the shared and routed experts differently in any MoE layer, or several
+    shared chunks that would not start on whole fp8 tiles."""
+    from types import SimpleNamespace
+
+    from atom.models._quant import Fp8Spec
+    from atom.models.deepseek_v3 import shares_expert_slots
+
+    hf = SimpleNamespace(n_shared_experts=1, n_routed_experts=2, moe_intermediate_size=256, num_hidden_layers=3,
+                         first_k_dense_replace=1)
+    block = Fp8Spec(block=(128, 128))
+    assert shares_expert_slots(hf, None, False) and shares_expert_slots(hf, block, False)
+    assert not shares_expert_slots(hf, block, True)  # EP: whole routed experts, split shared ones
+    routed = [f"model.layers.2.mlp.experts.{e}.{m}" for e in range(2) for m in ("gate_proj", "up_proj", "down_proj")]
+    shared = [f"model.layers.2.mlp.shared_experts.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+    assert not shares_expert_slots(hf, Fp8Spec(block=(128, 128), ignored=frozenset(shared[2:])), False)
+    assert shares_expert_slots(hf, Fp8Spec(block=(128, 128), ignored=frozenset(routed + shared)), False)
+    assert shares_expert_slots(hf, Fp8Spec(block=(128, 128), ignored=frozenset(["model.layers.0.mlp.down_proj"])), False)
+    two = SimpleNamespace(**{**vars(hf), "n_shared_experts": 2, "moe_intermediate_size": 192})
+    assert not shares_expert_slots(two, block, False) and shares_expert_slots(two, None, False)
+    assert not shares_expert_slots(SimpleNamespace(**{**vars(hf), "n_shared_experts": 0}), None, False)
+    monkeypatch.setenv("ATOM_FUSE_SHARED_EXPERTS", "0")
+    assert not shares_expert_slots(hf, None, False)
+
+
 def test_unsupported_routing_is_refused():
     from atom.models.deepseek_v3 import check_routing
     from types import SimpleNamespace
@@ -266,15 +292,18 @@ def test_unsupported_routing_is_refused():
         check_routing(SimpleNamespace(scoring_func="softmax", topk_method="group_limited_greedy", hidden_act="silu"))
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2-one-group"])
-def test_a_moe_block_with_a_shared_expert_reduces_once(expert_parallel: bool, hf_checkpoints):
+@pytest.mark.parametrize("expert_parallel,fuse", [(False, "0"), (True, "0"), (False, "1"), (True, "1")],
+                         ids=["tp2", "tp2-ep2-one-group", "tp2-slots", "tp2-ep2-slots-off"])
+def test_a_moe_block_with_a_shared_expert_reduces_once(expert_parallel: bool, fuse: str, hf_checkpoints, monkeypatch):
     """Routed and shared experts sum over the same group, so each rank adds its two partial sums and
     the block runs one all-reduce, not two (bench/NOTES.md 86; vLLM's SharedFusedMoE reduces once).
     That holds under TP and under EP whose group is the TP group (what atom.plugin.vllm.model_wrapper.
-    model_parallel hands the model when vLLM's EP group holds the TP group's ranks). Every rank's
-    block output equals the single-rank block's."""
+    model_parallel hands the model when vLLM's EP group holds the TP group's ranks). With the shared
+    expert in the fused MoE's slots (ATOM_FUSE_SHARED_EXPERTS, TP only: under EP it stays a separate
+    MLP) the one kernel set computes both. Every rank's block output equals the single-rank block's."""
     from atom.models.interfaces import ModelParallel
 
+    monkeypatch.setenv("ATOM_FUSE_SHARED_EXPERTS", fuse)
     hf, tensors = hf_checkpoints("grouped_yarn")
     x = torch.randn(5, hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -291,7 +320,9 @@ def test_a_moe_block_with_a_shared_expert_reduces_once(expert_parallel: bool, hf
         **({"ep_rank": r, "ep_size": 2, "ep_group": ranks[r]} if expert_parallel else {})),
         expert_parallel=expert_parallel) for r in range(2)]
     block = models[0].model.layers[1].mlp
-    assert block.shared_experts is not None and block.experts.reduce_group is ranks[0]
+    slots = fuse == "1" and not expert_parallel
+    assert (block.shared_experts is None) == slots and block.experts.num_shared == int(slots)
+    assert block.experts.reduce_group is ranks[0]
     outs = run_ranks(group, lambda r: models[r].model.layers[1].mlp(x))
     assert calls == [1, 1]
     for out in outs:
@@ -324,7 +355,9 @@ def test_parallel_ranks_match_single_rank(tp: int, ep: Optional[int], hf_checkpo
     experts = models[-1].model.layers[1].mlp.experts
     n, inter = hf.config.n_routed_experts, hf.config.moe_intermediate_size
     if ep is None:
-        assert experts.w13.shape == (n, 2 * inter // tp, hf.config.hidden_size) and experts.expert_map is None
+        # the shared expert in the slot after the routed ones (ATOM_FUSE_SHARED_EXPERTS), TP-split as they are
+        assert experts.num_shared == hf.config.n_shared_experts
+        assert experts.w13.shape == (n + 1, 2 * inter // tp, hf.config.hidden_size) and experts.expert_map is None
     else:
         assert experts.w2.shape == (n // ep, hf.config.hidden_size, inter)
     for rank, logits in enumerate(results):

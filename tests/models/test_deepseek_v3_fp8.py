@@ -221,10 +221,13 @@ def test_other_fp8_layouts_match_hf_on_dequantized_weights(variant, tmp_path):
         assert attn.kv_b_proj.quant is None and attn.kv_b_proj.weight.dtype == torch.float32
         assert model.model.layers[1].self_attn.kv_b_proj.input_scale.shape == (1,)
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.quant is not None]
-    # Per layer: fused q_a/kv_a (or kv_a), q_b (or q_proj), kv_b, o_proj, gate_up, down; q_a and
-    # kv_a separately in the off-tile variant; the ignored layer unquantised.
+    # Per layer: fused q_a/kv_a (or kv_a), q_b (or q_proj), kv_b, o_proj, and the dense layer's gate_up,
+    # down; q_a and kv_a separately in the off-tile variant; the ignored layer unquantised. The MoE
+    # layer's shared expert is the fused experts' slot 8 (ATOM_FUSE_SHARED_EXPERTS), fp8 as they are.
     unfused = 2 if variant == "block_q_lora_off_tile" else 0
-    assert len(layers) == 12 + unfused - len(quant.get("ignored_layers", []))
+    assert len(layers) == 10 + unfused - len(quant.get("ignored_layers", []))
+    experts = model.model.layers[1].mlp.experts
+    assert experts.num_shared == 1 and experts.w13.shape[0] == 9 and experts.w13.dtype == FP8
     model.process_weights_after_loading()
     _assert_matches_hf(model, _hf_reference(path, tmp_path / "ref"), mixed_prompts()[-2:])
 

@@ -190,6 +190,9 @@ def test_parallel_ranks_match_single_rank(tp: int, ep: Optional[int], hf_glm):
     experts = models[-1].model.layers[-1].mlp.experts
     n = hf.config.n_routed_experts
     assert experts.num_local_experts == (n // ep if ep else n)
+    # TP: the two shared experts in the fused MoE's slots, each chunk TP-split (ATOM_FUSE_SHARED_EXPERTS);
+    # EP: a separate TP-split MLP
+    assert experts.num_shared == (0 if ep else 2) and (models[-1].model.layers[-1].mlp.shared_experts is None) == (not ep)
     results = run_ranks(tp_group, lambda r: full_logits(models[r], ids))
     for rank, logits in enumerate(results):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4, msg=f"rank {rank}")
