@@ -55,16 +55,18 @@ def build_pair(torch, hf, dev, seed: int = 0, process: bool = True):
         for k in range(e + 1):  # per expert: no float32 copy of a whole layer
             ex.w13.data[k] = torch.randn(2 * i, h, device=dev, generator=g, dtype=torch.bfloat16).to(ex.w13.dtype)
             ex.w2.data[k] = torch.randn(h, i, device=dev, generator=g, dtype=torch.bfloat16).to(ex.w2.dtype)
-        ex.w13_weight_scale_inv.data.copy_(torch.rand(ex.w13_weight_scale_inv.shape, device=dev, generator=g) / h ** 0.5 + 1e-3)
-        ex.w2_weight_scale_inv.data.copy_(torch.rand(ex.w2_weight_scale_inv.shape, device=dev, generator=g) / i ** 0.5 + 1e-3)
+        s13, s2 = ex.w13_weight_scale_inv, ex.w2_weight_scale_inv
+        s13.data.copy_(torch.rand(s13.shape, device=dev, generator=g) / h ** 0.5 + 1e-3)
+        s2.data.copy_(torch.rand(s2.shape, device=dev, generator=g) / i ** 0.5 + 1e-3)
         fused.gate.weight.data.normal_(0.0, 0.02, generator=g)
         fused.gate.e_score_correction_bias.data.zero_()
-        apart.gate.weight.data, apart.gate.e_score_correction_bias.data = fused.gate.weight.data, fused.gate.e_score_correction_bias.data
+        apart.gate.weight.data = fused.gate.weight.data
+        apart.gate.e_score_correction_bias.data = fused.gate.e_score_correction_bias.data
         ax, sh = apart.experts, apart.shared_experts
         ax.w13.data, ax.w2.data = ex.w13.data[:e], ex.w2.data[:e]
-        ax.w13_weight_scale_inv.data, ax.w2_weight_scale_inv.data = ex.w13_weight_scale_inv.data[:e], ex.w2_weight_scale_inv.data[:e]
-        sh.gate_up_proj.weight.data, sh.gate_up_proj.weight_scale_inv.data = ex.w13.data[e], ex.w13_weight_scale_inv.data[e]
-        sh.down_proj.weight.data, sh.down_proj.weight_scale_inv.data = ex.w2.data[e], ex.w2_weight_scale_inv.data[e]
+        ax.w13_weight_scale_inv.data, ax.w2_weight_scale_inv.data = s13.data[:e], s2.data[:e]
+        sh.gate_up_proj.weight.data, sh.gate_up_proj.weight_scale_inv.data = ex.w13.data[e], s13.data[e]
+        sh.down_proj.weight.data, sh.down_proj.weight_scale_inv.data = ex.w2.data[e], s2.data[e]
     for block in (fused, apart) if process else ():
         for m in block.modules():
             if m is not block and hasattr(m, "process_weights_after_loading"):

@@ -254,8 +254,9 @@ class FusedMoE(nn.Module):
         made."""
         if (self.w13.device.type != "cuda" and not force) or (self.w13.dtype == FP8_DTYPE and self.block_shape is None):
             return 0
-        return ops.warm_up_fused_moe(self.w13, self.w2, self.top_k + self.num_shared, self.num_experts + self.num_shared,
-                                     act_dtype=self.act_dtype, force=force, **self._fused_moe_kwargs())
+        k, e = self.top_k + self.num_shared, self.num_experts + self.num_shared  # the shared slots' pairs too
+        return ops.warm_up_fused_moe(self.w13, self.w2, k, e, act_dtype=self.act_dtype, force=force,
+                                     **self._fused_moe_kwargs())
 
     def _fused_moe_kwargs(self) -> dict:
         """The keywords this layer passes to :func:`atom.ops.fused_moe` besides weights and routing."""
@@ -338,10 +339,10 @@ def routed_and_shared(experts: FusedMoE, shared: Optional[nn.Module], hidden_sta
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The routed experts plus the always-on shared ones: in the fused MoE's slots
     (``experts.num_shared``: each token's top-k gets the slots with weight 1) or a separate module
-    (``shared(x, reduce=...)``, e.g. :class:`atom.models._decoder.GatedMLP`; None: none). When both sum over the same group (TP, or EP
-    whose group is the TP group) each rank adds its two partial sums and the group reduces once, as
-    vLLM's ``SharedFusedMoE`` does: one all-reduce per layer instead of two and no separate add of two
-    reduced outputs (bench/NOTES.md 86)."""
+    (``shared(x, reduce=...)``, e.g. :class:`atom.models._decoder.GatedMLP`; None: none). When both
+    sum over the same group (TP, or EP whose group is the TP group) each rank adds its two partial
+    sums and the group reduces once, as vLLM's ``SharedFusedMoE`` does: one all-reduce per layer
+    instead of two and no separate add of two reduced outputs (bench/NOTES.md 86)."""
     if experts.num_shared:  # the shared experts in the fused MoE's slots: weight 1 for every token
         t = topk_ids.shape[0]
         topk_ids = torch.cat([topk_ids, experts.shared_ids.to(topk_ids.dtype).expand(t, -1)], dim=1)

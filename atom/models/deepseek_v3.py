@@ -321,7 +321,8 @@ def shares_expert_slots(hf_config: Any, quant: Optional[Fp8Spec], use_expert_par
     for i in range(int(hf_config.num_hidden_layers)):
         if is_moe_layer(hf_config, i):
             p = f"model.layers.{i}.mlp"
-            names = [f"{p}.experts.{e}.{m}" for e in range(n) for m in _MATS] + [f"{p}.shared_experts.{m}" for m in _MATS]
+            names = [f"{p}.experts.{e}.{m}" for e in range(n) for m in _MATS]
+            names += [f"{p}.shared_experts.{m}" for m in _MATS]
             if len({name in quant.ignored for name in names}) > 1:
                 return False
     return True
@@ -410,8 +411,8 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         otherwise match the dense ``gate_proj`` entry)."""
         stacked: list = []
         if any(is_moe_layer(self.hf_config, i) for i in range(self.hf_config.num_hidden_layers)):
-            stacked += FusedMoE.checkpoint_params(num_routed_experts(self.hf_config), quant=self.quant,
-                                                  shared="shared_experts" if getattr(self, "fuse_shared", False) else None)
+            shared = "shared_experts" if getattr(self, "fuse_shared", False) else None
+            stacked += FusedMoE.checkpoint_params(num_routed_experts(self.hf_config), quant=self.quant, shared=shared)
         stacked += DENSE_STACKED
         if fuses_qkv_a(self.hf_config, self.quant):
             stacked += QKV_A_STACKED

@@ -333,8 +333,8 @@ class MoeConfig:
     num_stages2: int = 0
 
 
-#: fp8: below this many gemm1 programs per SM (128-wide tiles) the small-grid tile runs (:func:`moe_config`).
-SMALL_GRID_PROGRAMS_PER_SM = 0.5
+#: fp8: gemm1 programs per SM (128-wide tiles) below which the small-grid tile runs (bench/NOTES.md 82, 87)
+SMALL_GRID_PROGRAMS_PER_SM = 0.6
 
 
 def small_grid(num_tokens: int, top_k: int, num_experts: int, inter: Optional[int], num_sms: Optional[int],

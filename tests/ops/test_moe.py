@@ -218,11 +218,11 @@ def test_fused_moe_fp8_separate_quant_pass_and_expert_map():
 
 
 def test_fp8_small_grid_tile_where_gemm1_fills_under_half_the_sms(monkeypatch):
-    """fp8 batches of 2+ tokens whose gemm1 grid (128-wide tiles) would fill under half the SMs take
+    """fp8 batches of 2+ tokens whose gemm1 grid (128-wide tiles) would fill under 0.6 of the SMs take
     the 64-wide, 5-stage swapped tile (bench/NOTES.md entry 82: one TP-8 rank's DeepSeek-V3 experts at
-    2-4 tokens); one token, wider experts, more tokens, bf16, more than 16 pairs per expert, or an
-    unknown intermediate size / SM count keep the earlier tiles (the GPU's tiles: the interpreter's
-    are switched off here)."""
+    2-4 tokens, also with the shared expert in a ninth pair per token, entry 87); one token, wider
+    experts, more tokens, bf16, more than 16 pairs per expert, or an unknown intermediate size / SM
+    count keep the earlier tiles (the GPU's tiles: the interpreter's are switched off here)."""
     from atom.ops import moe_triton as mt
 
     monkeypatch.setattr(mt, "triton_interpreting", lambda: False)
@@ -235,6 +235,9 @@ def test_fp8_small_grid_tile_where_gemm1_fills_under_half_the_sms(monkeypatch):
     assert default.block_n1 == 128 and default.swap_ab and default != small
     assert [cfg(t) == small for t in range(1, 7)] == [False, True, True, True, False, False]
     assert cfg(1) == cfg(5) == default
+    # the shared expert in the fused MoE's slot: top-9 of 257, 72 gemm1 programs at 4 tokens, 90 at 5
+    slot = [mt.moe_config(t, 9, 257, 128, torch.bfloat16, 256, 132) == small for t in range(1, 7)]
+    assert slot == [False, True, True, True, False, False]
     assert all(cfg(t, 128, 768) == default for t in range(2, 9))  # Qwen3-30B-A3B: 96+ programs at 2 tokens
     assert all(cfg(t, 256, 2048) == default for t in range(1, 9))  # whole DeepSeek-V3 experts
     assert cfg(3, inter=None) == cfg(3, sms=None) == default
