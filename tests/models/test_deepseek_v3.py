@@ -284,6 +284,36 @@ def test_when_the_shared_experts_ride_in_the_fused_moe(monkeypatch):
     assert not shares_expert_slots(hf, None, False)
 
 
+def test_shared_expert_slots_load_their_chunks_and_refuse_expert_parallel():
+    """FusedMoE's shared slots: the checkpoint entries map ``shared_experts.*`` to shard ("shared", which);
+    slot E + j holds the j-th intermediate chunk of the shared MLP (TP rank 1 of 2: its half of each
+    chunk, gate rows then up rows, down columns); every token's routing gets the slot ids with weight 1;
+    EP or biases refuse the slots."""
+    from atom.models._moe import DOWN, GATE, UP, FusedMoE, routed_and_shared
+    from atom.models.interfaces import ModelParallel
+
+    stacked = FusedMoE.checkpoint_params(2, shared="shared_experts")
+    assert ("experts.w13", "shared_experts.gate_proj.weight", ("shared", GATE)) in stacked
+    assert ("experts.w2", "shared_experts.down_proj.weight", ("shared", DOWN)) in stacked
+    assert len(stacked) == 3 * 3
+    rank1 = ModelParallel(tp_rank=1, tp_size=2, tp_group=object())
+    moe = FusedMoE(2, 1, 4, 6, rank1, renormalize=False, dtype=torch.float32, shared_experts=2)
+    assert moe.w13.shape == (4, 6, 4) and moe.w2.shape == (4, 4, 3)
+    gate, up, down = torch.randn(12, 4), torch.randn(12, 4), torch.randn(4, 12)
+    moe.load_weight("w13", gate, ("shared", GATE))
+    moe.load_weight("w13", up, ("shared", UP))
+    moe.load_weight("w2", down, ("shared", DOWN))
+    for j in range(2):  # chunk j = rows 6j..6j+5 of the shared MLP; rank 1 holds the last 3 of them
+        torch.testing.assert_close(moe.w13[2 + j], torch.cat([gate[6 * j + 3:6 * j + 6], up[6 * j + 3:6 * j + 6]]))
+        torch.testing.assert_close(moe.w2[2 + j], down[:, 6 * j + 3:6 * j + 6])
+    seen = {}
+    moe.forward_routed = lambda x, w, ids, reduce=True: seen.update(w=w, ids=ids, reduce=reduce) or x
+    routed_and_shared(moe, None, torch.zeros(3, 4), torch.full((3, 1), 0.5), torch.zeros(3, 1, dtype=torch.int32))
+    assert seen["ids"].tolist() == [[0, 2, 3]] * 3 and seen["w"].tolist() == [[0.5, 1.0, 1.0]] * 3
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        FusedMoE(2, 1, 4, 6, ModelParallel(), renormalize=False, use_expert_parallel=True, shared_experts=1)
+
+
 def test_unsupported_routing_is_refused():
     from atom.models.deepseek_v3 import check_routing
     from types import SimpleNamespace
