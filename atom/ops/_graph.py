@@ -220,29 +220,35 @@ def _fused_moe_node(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
                     w2_bias: Optional[torch.Tensor] = None, activation: str = "silu",
                     swiglu_alpha: float = 1.702, swiglu_limit: Optional[float] = 7.0,
                     x_fp8: Optional[torch.Tensor] = None,
-                    x_fp8_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    x_fp8_scale: Optional[torch.Tensor] = None, num_shared: int = 0,
+                    shared_fused_max_tokens: int = 0) -> torch.Tensor:
+    # The shared experts' path is chosen here, at run time, by the batch's size: one compiled graph
+    # serves both sides of shared_fused_max_tokens.
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, w13_scale=w13_scale,
                     w2_scale=w2_scale, block_shape=block_shape, w13_bias=w13_bias, w2_bias=w2_bias,
                     activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                    x_fp8=x_fp8, x_fp8_scale=x_fp8_scale)
+                    x_fp8=x_fp8, x_fp8_scale=x_fp8_scale, num_shared=num_shared,
+                    shared_fused_max_tokens=shared_fused_max_tokens)
     return _fresh(out, (x, w13, w2, topk_weights, topk_ids))
 
 
 @_fused_moe_node.register_fake
 def _(x, w13, w2, topk_weights, topk_ids, expert_map=None, w13_scale=None, w2_scale=None, block_shape=None,
       w13_bias=None, w2_bias=None, activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, x_fp8=None,
-      x_fp8_scale=None):
+      x_fp8_scale=None, num_shared=0, shared_fused_max_tokens=0):
     return x.new_empty(x.shape)
 
 
 @fused_moe.graph
 def _fused_moe_graph(x, w13, w2, topk_weights, topk_ids, *, expert_map=None, w13_scale=None, w2_scale=None,
                      block_shape=None, out=None, w13_bias=None, w2_bias=None, activation="silu",
-                     swiglu_alpha=1.702, swiglu_limit=7.0, x_fp8=None, x_fp8_scale=None):
+                     swiglu_alpha=1.702, swiglu_limit=7.0, x_fp8=None, x_fp8_scale=None, num_shared=0,
+                     shared_fused_max_tokens=0):
     y = torch.ops.atom.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
                                  None if block_shape is None else [int(b) for b in block_shape],
                                  w13_bias, w2_bias, str(activation), float(swiglu_alpha),
-                                 None if swiglu_limit is None else float(swiglu_limit), x_fp8, x_fp8_scale)
+                                 None if swiglu_limit is None else float(swiglu_limit), x_fp8, x_fp8_scale,
+                                 int(num_shared), int(shared_fused_max_tokens))
     return y if out is None else out.copy_(y)
 
 

@@ -9,6 +9,13 @@ with ``w13 = [gate; up]`` (``[E, 2 * inter, hidden]``, gate rows first) and
 (global id -> local id, -1 = expert not on this rank) the weights hold only the local experts
 and pairs routed elsewhere contribute zero.
 
+Shared experts (DeepSeek-V3, GLM-4-MoE): with ``num_shared=n`` the last ``n`` experts of ``w13`` /
+``w2`` are always on, for every token with weight 1, next to its top-k (``topk_ids`` name routed
+experts only). Up to ``shared_fused_max_tokens`` tokens (0: at every size) the Triton path runs them
+as extra pairs of the fused kernel; above it, the routed experts in the fused kernel and each shared
+one as a dense MLP (fp8: :func:`atom.ops.fp8_block_gemm`, so a host GEMM may serve it). Both give
+the same sum (bench/NOTES.md 87-88).
+
 GPT-OSS experts: optional biases ``w13_bias [E, 2 * inter]`` (added to ``w13 @ x``) and
 ``w2_bias [E, hidden]`` (added to the down projection, before the routing weight), and
 ``activation="swigluoai"``, the clamped SwiGLU on the same ``[gate; up]`` halves::
@@ -99,7 +106,7 @@ def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
                w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
                block_shape: Optional[Sequence[int]], out: Optional[torch.Tensor] = None,
                w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
-               activation: str = "silu") -> None:
+               activation: str = "silu", num_shared: int = 0, shared_fused_max_tokens: int = 0) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, hidden], got {tuple(x.shape)}")
     t, hidden = x.shape
@@ -135,6 +142,11 @@ def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         raise ValueError(f"w2_bias must be [{e}, {hidden}], got {tuple(w2_bias.shape)}")
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    if not 0 <= num_shared < e or shared_fused_max_tokens < 0:
+        raise ValueError(f"num_shared must be in [0, {e}) and shared_fused_max_tokens >= 0, got "
+                         f"{num_shared}, {shared_fused_max_tokens}")
+    if num_shared and (expert_map is not None or w13_bias is not None or w2_bias is not None):
+        raise ValueError("shared experts (num_shared) go without expert_map and expert biases")
 
 
 @declare("fused_moe",
@@ -154,18 +166,23 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     swiglu_alpha: float = 1.702,
                     swiglu_limit: Optional[float] = 7.0,
                     x_fp8: Optional[torch.Tensor] = None,
-                    x_fp8_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    x_fp8_scale: Optional[torch.Tensor] = None,
+                    num_shared: int = 0,
+                    shared_fused_max_tokens: int = 0) -> torch.Tensor:
     """Fused MoE expert MLP of ``x [tokens, hidden]`` routed by ``topk_weights`` / ``topk_ids``
     (see the module docstring). The reference: float32 math, one dense matmul pair per expert
     that has tokens. fp8 experts: ``x_fp8`` / ``x_fp8_scale`` are ``x``'s 1 x ``block_k``
     quantisation when the kernel that produced ``x`` wrote it (:mod:`atom.ops.fused_quant`); the
-    experts then read it instead of quantising ``x`` again.
+    experts then read it instead of quantising ``x`` again. ``num_shared`` /
+    ``shared_fused_max_tokens``: always-on shared experts (the module docstring).
 
     Returns ``[tokens, hidden]`` in ``x``'s dtype (written into ``out`` when given).
     """
     _check_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, block_shape,
-               out, w13_bias, w2_bias, activation)
+               out, w13_bias, w2_bias, activation, num_shared, shared_fused_max_tokens)
     _check_x_fp8(x, block_shape, x_fp8, x_fp8_scale)
+    if num_shared:
+        topk_weights, topk_ids = with_shared_experts(topk_weights, topk_ids, w13.shape[0], num_shared)
     fp8 = block_shape is not None
     if fp8:
         bk = int(block_shape[1])
@@ -203,6 +220,23 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 fused_moe_torch = fused_moe.reference
 
 
+_SHARED_IDS: dict[tuple, torch.Tensor] = {}
+
+
+def with_shared_experts(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                        num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's top-k with the last ``num_shared`` of ``num_experts`` local experts appended,
+    weight 1: ``([T, k + n] weights, [T, k + n] ids)``."""
+    t = topk_ids.shape[0]
+    key = (num_experts, num_shared, topk_ids.dtype, str(topk_ids.device))
+    ids = _SHARED_IDS.get(key)
+    if ids is None:  # made once (the first call is a warm-up, before any CUDA-graph capture)
+        ids = _SHARED_IDS[key] = torch.arange(num_experts - num_shared, num_experts, dtype=topk_ids.dtype,
+                                              device=topk_ids.device)
+    return (torch.cat([topk_weights, topk_weights.new_ones(t, num_shared)], dim=1),
+            torch.cat([topk_ids, ids[None].expand(t, -1)], dim=1))
+
+
 def _check_x_fp8(x: torch.Tensor, block_shape: Optional[Sequence[int]], x_fp8: Optional[torch.Tensor],
                  x_fp8_scale: Optional[torch.Tensor]) -> None:
     if x_fp8 is None and x_fp8_scale is None:
@@ -236,19 +270,51 @@ def _fused_moe_triton_supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
 def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       **kwargs) -> torch.Tensor:
+    n, limit = kwargs.pop("num_shared", 0), kwargs.pop("shared_fused_max_tokens", 0)
     _check_moe(x, w13, w2, topk_weights, topk_ids, kwargs.get("expert_map"),
                kwargs.get("w13_scale"), kwargs.get("w2_scale"), kwargs.get("block_shape"),
                kwargs.get("out"), kwargs.get("w13_bias"), kwargs.get("w2_bias"),
-               kwargs.get("activation", "silu"))
+               kwargs.get("activation", "silu"), n, limit)
     _check_x_fp8(x, kwargs.get("block_shape"), kwargs.get("x_fp8"), kwargs.get("x_fp8_scale"))
     from atom.ops.moe_triton import fused_moe_fwd
 
+    if n and (not limit or x.shape[0] <= limit):  # the shared experts as extra pairs of the fused kernel
+        topk_weights, topk_ids = with_shared_experts(topk_weights, topk_ids, w13.shape[0], n)
+    elif n:  # the routed experts alone (the slots cut off), then each shared one dense
+        e = w13.shape[0] - n
+        routed = {k: (v[:e] if k in ("w13_scale", "w2_scale") and v is not None else v) for k, v in kwargs.items()}
+        out = fused_moe_fwd(x, w13[:e], w2[:e], topk_weights, topk_ids, **routed)
+        for j in range(e, e + n):
+            out += _dense_expert(x, w13[j], w2[j], j, **kwargs)
+        return out
     return fused_moe_fwd(x, w13, w2, topk_weights, topk_ids, **kwargs)
+
+
+def _dense_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, j: int, *, block_shape=None,
+                  w13_scale=None, w2_scale=None, activation: str = "silu", swiglu_alpha: float = 1.702,
+                  swiglu_limit: Optional[float] = 7.0, x_fp8=None, x_fp8_scale=None, **_) -> torch.Tensor:
+    """Expert ``j``'s MLP of every token (weight 1) on the dense GEMMs: fp8 W8A8
+    :func:`atom.ops.fp8_block_gemm` (the host's GEMMs where it offers them; ``x`` quantised as the
+    fused kernel quantises it) or ``F.linear``."""
+    from atom.ops.activation import silu_and_mul
+    from atom.ops.fp8_gemm import fp8_block_gemm
+    from atom.ops.fused_quant import silu_and_mul_quant_fp8
+
+    if activation != "silu":
+        raise ValueError(f"shared experts run SiLU-and-mul, not {activation!r}")
+    if block_shape is None:
+        return torch.nn.functional.linear(silu_and_mul.run("triton", torch.nn.functional.linear(x, w13)), w2)
+    fp8_in = {} if x_fp8 is None else dict(x_fp8=x_fp8, x_fp8_scale=x_fp8_scale)
+    h = fp8_block_gemm.run("triton", x, w13, w13_scale[j], block_shape, w8a8_from=1, **fp8_in)
+    a, q, s = silu_and_mul_quant_fp8.run("triton", h, int(block_shape[1]))
+    return fp8_block_gemm.run("triton", a, w2, w2_scale[j], block_shape, w8a8_from=1, x_fp8=q, x_fp8_scale=s)
 
 
 def _fused_moe_aiter_supports(x: torch.Tensor, w13: torch.Tensor, *args, expert_map=None,
                               block_shape=None, w13_bias=None, w2_bias=None, activation="silu",
-                              **kwargs) -> Optional[str]:
+                              num_shared=0, **kwargs) -> Optional[str]:
+    if num_shared:
+        return "shared experts (num_shared) are not covered by atom's aiter binding"
     if w13_bias is not None or w2_bias is not None or activation != "silu":
         return "expert biases and the swigluoai activation are not covered by atom's aiter binding"
     if expert_map is not None:
@@ -292,5 +358,23 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_exper
         return 0
     from atom.ops.moe_triton import warm_up  # lazy: Triton is optional
 
-    return timed("fused_moe", f"w13 {tuple(w13.shape)} {w13.dtype}",
-                 lambda: warm_up(w13, w2, top_k, num_experts, act_dtype, **kwargs), w13.device)
+    n, limit = kwargs.pop("num_shared", 0), kwargs.pop("shared_fused_max_tokens", 0)
+    what = f"w13 {tuple(w13.shape)} {w13.dtype}"
+    # Up to ``limit`` tokens (every size at 0) the shared experts are extra pairs of the fused kernel.
+    launches = timed("fused_moe", what, lambda: warm_up(w13, w2, top_k + n, num_experts + n, act_dtype, **kwargs),
+                     w13.device)
+    if not (n and limit):
+        return launches
+    # Above it: the routed experts alone, and each shared one on the dense GEMMs.
+    e, block = w13.shape[0] - n, kwargs.get("block_shape")
+    routed = {k: (v[:e] if k in ("w13_scale", "w2_scale") and v is not None else v) for k, v in kwargs.items()}
+    launches += timed("fused_moe", f"{what} routed", lambda: warm_up(w13[:e], w2[:e], top_k, num_experts, act_dtype,
+                                                                     **routed), w13.device)
+    if block is not None:
+        from atom.ops.fp8_gemm import warm_up_fp8_block_gemm
+
+        for w, sc in ((w13[e], kwargs["w13_scale"][e]), (w2[e], kwargs["w2_scale"][e])):
+            launches += warm_up_fp8_block_gemm(w, sc, block, act_dtype=act_dtype, w8a8_from=1, force=force)
+    x = torch.zeros(limit + 1, w13.shape[2], dtype=act_dtype, device=w13.device)
+    _dense_expert(x, w13[e], w2[e], e, **kwargs)  # its activation kernels
+    return launches + 1
