@@ -316,6 +316,17 @@ VARIABLES: dict[str, EnvVar] = {
             _parse_bool, _BOOL,
         ),
         EnvVar(
+            "ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS", "auto or int", "auto",
+            "With ATOM_FUSE_SHARED_EXPERTS on: batches of at most this many tokens run the shared "
+            "experts inside the fused MoE; larger ones run the routed experts there and the shared ones "
+            "as a dense MLP (fp8: the block-fp8 GEMMs, vLLM's DeepGEMM where it serves), chosen per step "
+            "inside the compiled graph; 0 = the fused MoE at every size; auto = 128 for experts of at most "
+            "512 intermediate rows per GPU (DeepSeek-V3 at TP 8: 256), 1 for larger ones (whole "
+            "DeepSeek-V3 experts: 2048), the sizes where the fused form measured faster on the H100 "
+            "(bench/NOTES.md 88).",
+            _parse_auto_or_nonneg_int, "auto, or an integer >= 0",
+        ),
+        EnvVar(
             "ATOM_BF16_GEMV", "bool", "1",
             "Unquantised (bf16 / fp16) linears of atom's models on NVIDIA GPUs: a step of one token "
             "runs atom's Triton GEMV instead of cuBLAS (0.73-0.93x cuBLAS's time per layer at Qwen3 / "

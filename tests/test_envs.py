@@ -148,6 +148,7 @@ MALFORMED = {
     "ATOM_ENABLE_MHA_ON_NVIDIA": ["2", "maybe", ""],
     "ATOM_BF16_GEMV": ["2", "yes please", ""],
     "ATOM_FUSE_SHARED_EXPERTS": ["2", "fused", ""],
+    "ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS": ["-1", "many", "1.5", "", "autos"],
     "ATOM_TRITON_DIRECT_LAUNCH": ["2", "maybe"],
     "ATOM_ENABLE_ON_NVIDIA": ["Gpt Oss", "GptOSSForCausalLM", "GptOssForCausalLM,Qwen3Model"],
     "ATOM_DISABLE_FP8_FUSED_ACT_QUANT": ["2", "maybe", ""],

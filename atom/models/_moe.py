@@ -10,8 +10,10 @@ checkpoint's per-expert matrices (:meth:`FusedMoE.checkpoint_params` names them)
 
 Shared experts (DeepSeek-V3, GLM-4-MoE): :func:`routed_and_shared` adds them to the routed sum,
 either held in the fused MoE's slots after the routed experts (``FusedMoE(..., shared_experts=n)``,
-tensor parallel, ``ATOM_FUSE_SHARED_EXPERTS``: every token routed to each slot with weight 1) or as a
-separate MLP whose partial sum joins the routed one before the single all-reduce.
+tensor parallel, ``ATOM_FUSE_SHARED_EXPERTS``: :func:`atom.ops.fused_moe` runs each slot for every
+token with weight 1, inside the fused kernel up to ``ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS`` tokens per
+step and as a dense MLP above) or as a separate MLP whose partial sum joins the routed one before the
+single all-reduce.
 
 Parallelism (the MoE output is a sum of partial results, reduced once per layer):
 
@@ -143,9 +145,9 @@ class FusedMoE(nn.Module):
         else:
             self.w13_bias = self.w2_bias = None
             self.adds_w2_bias = False
-        if shared_experts:  # the slots' ids, appended to every token's top-k (buffers: never in a checkpoint)
-            self.register_buffer("shared_ids", torch.arange(num_experts, num_experts + shared_experts,
-                                                            dtype=torch.int32)[None], persistent=False)
+        #: Batches of at most this many tokens run the shared slots inside the fused kernel (0: every
+        #: size); larger ones run them dense (ops.fused_moe; ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS).
+        self.shared_fused_max_tokens = shared_fused_max_tokens(self.local_inter)
         if self.num_local_experts < num_experts:
             # A buffer, not a parameter: derived from the layout, never in a checkpoint.
             e = self.num_local_experts
@@ -254,16 +256,17 @@ class FusedMoE(nn.Module):
         made."""
         if (self.w13.device.type != "cuda" and not force) or (self.w13.dtype == FP8_DTYPE and self.block_shape is None):
             return 0
-        k, e = self.top_k + self.num_shared, self.num_experts + self.num_shared  # the shared slots' pairs too
-        return ops.warm_up_fused_moe(self.w13, self.w2, k, e, act_dtype=self.act_dtype, force=force,
-                                     **self._fused_moe_kwargs())
+        return ops.warm_up_fused_moe(self.w13, self.w2, self.top_k, self.num_experts, act_dtype=self.act_dtype,
+                                     force=force, **self._fused_moe_kwargs())
 
     def _fused_moe_kwargs(self) -> dict:
         """The keywords this layer passes to :func:`atom.ops.fused_moe` besides weights and routing."""
         fp8 = {} if self.block_shape is None else dict(
             w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv, block_shape=self.block_shape)
+        shared = {} if not self.num_shared else dict(num_shared=self.num_shared,
+                                                      shared_fused_max_tokens=self.shared_fused_max_tokens)
         return dict(expert_map=self.expert_map, w13_bias=self.w13_bias,
-                    w2_bias=self.w2_bias if self.adds_w2_bias else None, **self.activation_kwargs, **fp8)
+                    w2_bias=self.w2_bias if self.adds_w2_bias else None, **self.activation_kwargs, **fp8, **shared)
 
     def _repack_fp8(self) -> None:
         if self.quant is None or self.w13.dtype != FP8_DTYPE or self.block_shape is not None:
@@ -338,21 +341,33 @@ class FusedMoE(nn.Module):
 def routed_and_shared(experts: FusedMoE, shared: Optional[nn.Module], hidden_states: Activation,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The routed experts plus the always-on shared ones: in the fused MoE's slots
-    (``experts.num_shared``: each token's top-k gets the slots with weight 1) or a separate module
+    (``experts.num_shared``: :func:`atom.ops.fused_moe` adds them, weight 1) or a separate module
     (``shared(x, reduce=...)``, e.g. :class:`atom.models._decoder.GatedMLP`; None: none). When both
     sum over the same group (TP, or EP whose group is the TP group) each rank adds its two partial
     sums and the group reduces once, as vLLM's ``SharedFusedMoE`` does: one all-reduce per layer
     instead of two and no separate add of two reduced outputs (bench/NOTES.md 86)."""
-    if experts.num_shared:  # the shared experts in the fused MoE's slots: weight 1 for every token
-        t = topk_ids.shape[0]
-        topk_ids = torch.cat([topk_ids, experts.shared_ids.to(topk_ids.dtype).expand(t, -1)], dim=1)
-        topk_weights = torch.cat([topk_weights, topk_weights.new_ones(t, experts.num_shared)], dim=1)
     group = experts.reduce_group
     once = shared is not None and group is not None and group is getattr(shared, "reduce_group", None)
     out = experts.forward_routed(hidden_states, topk_weights, topk_ids, reduce=not once)
     if shared is not None:
         out = out + shared(hidden_states, reduce=not once)
     return group.all_reduce(out) if once else out
+
+
+#: ``ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS=auto``: experts of at most this many intermediate rows on a
+#: rank are "small" (DeepSeek-V3's TP-8 shard: 256; whole: 2048).
+SMALL_EXPERT_INTER = 512
+
+
+def shared_fused_max_tokens(local_inter: int) -> int:
+    """``ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS``: the largest batch whose shared experts run inside
+    the fused MoE (0: every batch). auto: 128 for experts of at most :data:`SMALL_EXPERT_INTER`
+    intermediate rows on this rank, 1 for larger ones: the sizes where the slot measured faster than
+    the separate MLP on the H100, at 256 and 2048 rows (bench/NOTES.md 88)."""
+    limit = envs.ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS
+    if limit is not None:
+        return limit
+    return 128 if local_inter <= SMALL_EXPERT_INTER else 1
 
 
 def fuses_shared_experts(num_shared: int, use_expert_parallel: bool, intermediate_size: int = 0,

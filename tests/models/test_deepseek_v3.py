@@ -284,13 +284,14 @@ def test_when_the_shared_experts_ride_in_the_fused_moe(monkeypatch):
     assert not shares_expert_slots(hf, None, False)
 
 
-def test_shared_expert_slots_load_their_chunks_and_refuse_expert_parallel():
+def test_shared_expert_slots_load_their_chunks_and_refuse_expert_parallel(monkeypatch):
     """FusedMoE's shared slots: the checkpoint entries map ``shared_experts.*`` to shard ("shared", which);
     slot E + j holds the j-th intermediate chunk of the shared MLP (TP rank 1 of 2: its half of each
     chunk, gate rows then up rows, down columns); every token's routing gets the slot ids with weight 1;
     EP or biases refuse the slots."""
     from atom.models._moe import DOWN, GATE, UP, FusedMoE, routed_and_shared
     from atom.models.interfaces import ModelParallel
+    from atom.ops.moe import with_shared_experts
 
     stacked = FusedMoE.checkpoint_params(2, shared="shared_experts")
     assert ("experts.w13", "shared_experts.gate_proj.weight", ("shared", GATE)) in stacked
@@ -306,10 +307,13 @@ def test_shared_expert_slots_load_their_chunks_and_refuse_expert_parallel():
     for j in range(2):  # chunk j = rows 6j..6j+5 of the shared MLP; rank 1 holds the last 3 of them
         torch.testing.assert_close(moe.w13[2 + j], torch.cat([gate[6 * j + 3:6 * j + 6], up[6 * j + 3:6 * j + 6]]))
         torch.testing.assert_close(moe.w2[2 + j], down[:, 6 * j + 3:6 * j + 6])
-    seen = {}
-    moe.forward_routed = lambda x, w, ids, reduce=True: seen.update(w=w, ids=ids, reduce=reduce) or x
+    seen = {}  # the op gets the routed choice and the slot count; it appends the slots, weight 1
+    moe.reduce_group = None  # this rank's partial sum (no collective in this test)
+    monkeypatch.setattr("atom.ops.fused_moe", lambda x, w13, w2, w, ids, **kw: seen.update(w=w, ids=ids, **kw) or x)
     routed_and_shared(moe, None, torch.zeros(3, 4), torch.full((3, 1), 0.5), torch.zeros(3, 1, dtype=torch.int32))
-    assert seen["ids"].tolist() == [[0, 2, 3]] * 3 and seen["w"].tolist() == [[0.5, 1.0, 1.0]] * 3
+    assert seen["ids"].tolist() == [[0]] * 3 and seen["num_shared"] == 2 and seen["shared_fused_max_tokens"] == 128
+    w, ids = with_shared_experts(seen["w"], seen["ids"], moe.w13.shape[0], 2)
+    assert ids.tolist() == [[0, 2, 3]] * 3 and w.tolist() == [[0.5, 1.0, 1.0]] * 3
     with pytest.raises(ValueError, match="tensor-parallel"):
         FusedMoE(2, 1, 4, 6, ModelParallel(), renormalize=False, use_expert_parallel=True, shared_experts=1)
 
