@@ -102,6 +102,9 @@
 #            ARCHS_PARTS (agree,ab): one part, e.g. ARCHS_PARTS=ab on the warm machine for a cell that did
 #            not fit. -> $OUT/archs/<arch>_agree.{json,txt}, <arch>_agree_{stock,atom}.log.txt,
 #            ab_<arch>.{json,txt}, ab_<arch>.logs.txt
+#   moeblock bench/moe_block.py (the DeepSeek-V3 MoE block: shared expert fused / always fused / apart;
+#            bench/NOTES.md 87-88), MOEBLOCK_ARGS (default --shape dsv3-tp8 --repeat 3), DeepGEMM's JIT cache in
+#            /tmp/dg-cache (a cold compile per shape: ~40-120 s) -> $OUT/moe_block_<MOEBLOCK_TAG>.{json,txt}
 #   profile  bench/profile_e2e.py on a checkpoint e2e2 built (or a config-only one with PROFILE_ARGS
 #            "--load-format dummy"; --conc 1,64: one engine a side for both) -> $OUT/profile/ (kernel time by
 #            category, atom vs stock); PROFILE_ARGS (default: the MoE model, 128/128, C=256); PROFILE_TAG=T:
@@ -199,6 +202,10 @@ for step in "$@"; do
               else echo "cacheunpack: no parts in $from"; fi ;;
         tests) # SIGINT at the limit: pytest then still prints the failures so far and its summary
             timeout --signal=INT --kill-after=20 "${GPU_TESTS_TIMEOUT:-540}" python3 -u -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} > "$OUT/gpu_tests.txt" 2>&1; tail -25 "$OUT/gpu_tests.txt" ;;
+        moeblock) tag="${MOEBLOCK_TAG:-tp8}"
+              DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/tmp/dg-cache}" timeout "${MOEBLOCK_TIMEOUT:-540}" python3 -u \
+                  bench/moe_block.py ${MOEBLOCK_ARGS:---shape dsv3-tp8 --repeat 3} --json "$OUT/moe_block_$tag.json" \
+                  > "$OUT/moe_block_$tag.txt" 2>&1; grep -v "^\s*$" "$OUT/moe_block_$tag.txt" | tail -14 ;;
         ops) timeout 560 python3 bench/ops.py --json-dir "$OUT" > "$OUT/ops.txt" 2>&1; tail -40 "$OUT/ops.txt" ;;
         e2e) mkdir -p "$OUT/e2e"; B=.stage/tools/bench_vllm_baseline.py
              python3 $B build --out /tmp/models > /dev/null 2>&1

@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """A DeepSeek-V3 MoE block alone, its shared expert in the fused MoE's slot against a separate MLP
-(bench/NOTES.md 87): the post-attention RMSNorm with its fp8 quantisation, the router, the routed
+(bench/NOTES.md 87-88): the post-attention RMSNorm with its fp8 quantisation, the router, the routed
 and shared experts and their sum, timed as one CUDA graph per batch size with a cold L2.
+
+Three sides: ``fused`` (the slot as the engine runs it: inside the fused kernel up to the layer's
+``shared_fused_max_tokens``, ``--limit`` or ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS, dense above),
+``always`` (the slot inside the fused kernel at every size) and ``apart`` (a separate shared MLP).
 
 Both blocks hold the same weights (the separate one's tensors are views of the fused one's slots),
 block fp8 128x128, at DeepSeek-V3's dims: ``dsv3`` one GPU holding whole experts (intermediate
@@ -26,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: shape -> (routed experts, top-k, hidden, expert intermediate size, groups, top groups)
 SHAPES = {"dsv3": (256, 8, 7168, 2048, 8, 4), "dsv3-tp8": (256, 8, 7168, 256, 8, 4)}
 DRY_SHAPE = (16, 4, 256, 128, 4, 2)
+SIDES = ("fused", "always", "apart")
 
 
 def hf_config(experts: int, top_k: int, hidden: int, inter: int, groups: int, top_groups: int) -> SimpleNamespace:
@@ -95,6 +100,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-host-gemms", action="store_true",
                     help="the separate shared MLP on atom's Triton GEMM alone (default on a GPU: vLLM's "
                          "FlashInfer / DeepGEMM block-fp8 kernels where the engine's atom would call them)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="the fused side's shared_fused_max_tokens (default: the layer's own, by "
+                         "ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "bench"))
@@ -110,6 +118,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     dev = torch.device("cpu" if args.dry else "cuda")
     hf = hf_config(*(DRY_SHAPE if args.dry else SHAPES[args.shape]))
     fused, apart = build_pair(torch, hf, dev)
+    ex = fused.experts
+    if args.limit is not None:
+        ex.shared_fused_max_tokens = args.limit
+    limit = ex.shared_fused_max_tokens
+    print(f"fused side: the shared expert inside the fused kernel up to {limit or 'any number of'} tokens",
+          flush=True)
+
+    def run(name: str, x):
+        ex.shared_fused_max_tokens = 0 if name == "always" else limit
+        try:
+            return step(torch, apart if name == "apart" else fused, norm_w, x)
+        finally:
+            ex.shared_fused_max_tokens = limit
     norm_w = torch.ones(hf.hidden_size, dtype=torch.bfloat16, device=dev)
     timer = Timer(torch, dev, 2 if args.dry else args.iters, not args.dry)
     rows = []
@@ -118,19 +139,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         x = torch.randn(t, hf.hidden_size, dtype=torch.bfloat16, device=dev,
                         generator=torch.Generator(device=dev).manual_seed(t))
         with torch.inference_mode():
-            a, b = step(torch, fused, norm_w, x).float(), step(torch, apart, norm_w, x).float()
-            err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-9))
-            times: dict[str, list[float]] = {"fused": [], "apart": []}
+            outs = {name: run(name, x).float() for name in SIDES}
+            ref = outs["apart"]
+            err = {name: float((outs[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-9))
+                   for name in ("fused", "always")}
+            times: dict[str, list[float]] = {name: [] for name in SIDES}
             for rnd in range(args.repeat):
-                for name in (("fused", "apart") if rnd % 2 == 0 else ("apart", "fused")):
-                    block = fused if name == "fused" else apart
-                    times[name].append(timer(lambda block=block: step(torch, block, norm_w, x)))
-        row = {"shape": "dry" if args.dry else args.shape, "tokens": t, "rel_err": err,
-               **{f"{n}_us": statistics.median(v) for n, v in times.items()}, "rounds": times}
-        row["fused_over_apart"] = row["fused_us"] / row["apart_us"] if row["apart_us"] else None
+                for name in SIDES[rnd % 3:] + SIDES[:rnd % 3]:  # each side first in turn
+                    times[name].append(timer(lambda name=name: run(name, x)))
+        row = {"shape": "dry" if args.dry else args.shape, "tokens": t, "limit": limit,
+               "fused_path": "slot" if not limit or t <= limit else "dense", "rel_err": err["fused"],
+               "rel_err_always": err["always"], **{f"{n}_us": statistics.median(v) for n, v in times.items()},
+               "rounds": times}
+        for name in ("fused", "always"):
+            row[f"{name}_over_apart"] = row[f"{name}_us"] / row["apart_us"] if row["apart_us"] else None
         rows.append(row)
-        print(f"{row['shape']} T={t}: fused {row['fused_us']:.1f} us, apart {row['apart_us']:.1f} us, "
-              f"fused/apart {row['fused_over_apart']:.3f}, outputs apart by {err:.1e}", flush=True)
+        print(f"{row['shape']} T={t}: fused ({row['fused_path']}) {row['fused_us']:.1f} us, always "
+              f"{row['always_us']:.1f} us, apart {row['apart_us']:.1f} us; fused/apart {row['fused_over_apart']:.3f}, "
+              f"always/apart {row['always_over_apart']:.3f}; outputs apart by {err['fused']:.1e} / "
+              f"{err['always']:.1e}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
