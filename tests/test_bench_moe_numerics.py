@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
+import torch
 
 from tests._bench import load_bench
-
-torch = pytest.importorskip("torch")
 
 
 def _fp8_experts(experts, hidden, inter, seed=0):
