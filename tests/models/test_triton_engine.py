@@ -25,6 +25,9 @@ KINDS = {
     "deepseek_v3": {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}},
 }
 PROMPTS = mixed_prompts()[2:6]  # 5-28 tokens: interpreted kernels are slow
+#: More atom-side runs: (checkpoint kind, atom's extra variables). The shared expert's two paths in
+#: one engine: prefill steps (> 4 tokens) run it dense, decode steps (4 sequences) in the fused kernel.
+VARIANTS = {"deepseek_v3-shared-dense": ("deepseek_v3", {"ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS": "4"})}
 
 
 def _run(checkpoint, tmp_path, name: str, engine: dict, env: dict) -> dict:
@@ -40,9 +43,11 @@ def _run(checkpoint, tmp_path, name: str, engine: dict, env: dict) -> dict:
     return json.loads(out.read_text())[0]
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_triton_kernels_in_the_engine_give_stock_tokens(tiny_model, tmp_path, kind):
+@pytest.mark.parametrize("name", [*sorted(KINDS), *sorted(VARIANTS)])
+def test_triton_kernels_in_the_engine_give_stock_tokens(tiny_model, tmp_path, name):
+    kind, extra = VARIANTS.get(name, (name, {}))
     checkpoint = tiny_model(kind, "float32")
-    ours = _run(checkpoint, tmp_path, "atom", KINDS[kind], {"ATOM_OPS_BACKEND": "triton", "TRITON_INTERPRET": "1"})
+    ours = _run(checkpoint, tmp_path, "atom", KINDS[kind],
+                {"ATOM_OPS_BACKEND": "triton", "TRITON_INTERPRET": "1", **extra})
     stock = _run(checkpoint, tmp_path, "stock", KINDS[kind], {"ATOM_DISABLE_VLLM_PLUGIN": "1"})
     assert_same_greedy_run(ours, stock, 1e-3)
