@@ -205,20 +205,22 @@ def _fp8_block_gemm_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 
 def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, block_shape: Sequence[int], *,
                            act_dtype: torch.dtype, w8a8_from: Optional[int] = None, has_bias: bool = False,
-                           force: bool = False) -> int:
+                           force: bool = False, min_tokens: int = 1) -> int:
     """Compile, before the first request, every kernel variant :func:`fp8_block_gemm` launches for
     this weight shape (one per batch-size bucket, W8A16 below ``w8a8_from`` tokens and W8A8 from
     it), and the host GEMMs' own variants where they have a warm-up (:class:`HostGemm`) and W8A8 is
     on (no host GEMM serves a layer that asked for W8A16 only); once per
-    process and shape. Returns the launches made: 0 when the op would not run Triton on the
-    weight's device unless ``force`` (tests, under the Triton interpreter).
+    process and shape. ``min_tokens``: no smaller batch reaches this weight (the shared experts'
+    dense path of :func:`atom.ops.fused_moe`), so a host GEMM that serves only smaller ones is not
+    warmed. Returns the launches made: 0 when the op would not run Triton on the weight's device
+    unless ``force`` (tests, under the Triton interpreter).
 
     The host GEMMs warm up first: the op hands the batch sizes they serve to them, so warmed
     after, a host kernel's first just-in-time compile ran inside atom's own line and was logged
     as atom's Triton GEMM (by the code, FlashInfer's swap-AB module: the ~100 s an H200 cold start
     logged for atom's line at the first weight that kernel serves; bench/NOTES.md 80)."""
     key = (tuple(weight.shape), tuple(weight_scale.shape), tuple(int(b) for b in block_shape), act_dtype,
-           str(weight.device), w8a8_from, has_bias)
+           str(weight.device), w8a8_from, has_bias, min_tokens)
     if not fp8_block_gemm.claim_warm_up(key, weight.device.type, force):
         return 0
     from atom.ops.fp8_gemm_triton import warm_up
@@ -227,7 +229,7 @@ def warm_up_fp8_block_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, blo
     shape = str(tuple(weight.shape))
     launches = 0
     for host in _HOST_GEMMS if w8a8_from is not None else ():
-        if host.warm_up is not None:
+        if host.warm_up is not None and (host.max_tokens is None or host.max_tokens > min_tokens):
             launches += timed(host.name, shape, lambda: host.warm_up(weight, weight_scale, block, act_dtype),
                               weight.device)
     return launches + timed("fp8_block_gemm", shape, lambda: warm_up(weight, weight_scale, block, act_dtype,

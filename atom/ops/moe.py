@@ -374,7 +374,8 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_exper
         from atom.ops.fp8_gemm import warm_up_fp8_block_gemm
 
         for w, sc in ((w13[e], kwargs["w13_scale"][e]), (w2[e], kwargs["w2_scale"][e])):
-            launches += warm_up_fp8_block_gemm(w, sc, block, act_dtype=act_dtype, w8a8_from=1, force=force)
+            launches += warm_up_fp8_block_gemm(w, sc, block, act_dtype=act_dtype, w8a8_from=1, force=force,
+                                               min_tokens=limit + 1)
     x = torch.zeros(limit + 1, w13.shape[2], dtype=act_dtype, device=w13.device)
     _dense_expert(x, w13[e], w2[e], e, **kwargs)  # its activation kernels
     return launches + 1

@@ -490,3 +490,23 @@ def _check_host_gemm(direct_gemm, m: int, own_atol: float, fed_near_exact: bool)
         if fed_near_exact:
             assert (fed.float() - want).abs().max() <= 0.08 * want.abs().max()
         torch.testing.assert_close(fed.float(), own.float(), atol=own_atol * want.abs().max().item(), rtol=0.01)
+
+
+def test_warm_up_skips_host_gemms_that_serve_only_smaller_batches():
+    """``min_tokens``: a weight no batch under 129 tokens reaches (the shared experts' dense path above
+    fused_moe's limit) warms the host GEMM serving 17+ tokens, not the one serving 2-16."""
+    from atom.ops import warm_up_fp8_block_gemm
+    from atom.ops.fp8_gemm import HostGemm, set_host_gemm
+
+    warmed = []
+    small = HostGemm(lambda *a: None, 2, "small", lambda *a: warmed.append("small") or 1, max_tokens=17)
+    large = HostGemm(lambda *a: None, 17, "large", lambda *a: warmed.append("large") or 1)
+    w, s = _weights(48, 64, (16, 32))
+    set_host_gemm(small, large)
+    try:
+        warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, w8a8_from=1, force=True, min_tokens=129)
+        assert warmed == ["large"]
+        warm_up_fp8_block_gemm(w, s, (16, 32), act_dtype=torch.float32, w8a8_from=1, force=True, min_tokens=16)
+        assert warmed == ["large", "small", "large"]
+    finally:
+        set_host_gemm(None)
