@@ -516,7 +516,9 @@ WHY = {
                       "At one TP-8 rank's shapes (2026-12-03c) 1.02x [0.96, 1.15] over 3 launches (per launch 0.97, "
                       "1.01, 1.15), a tie, host-bound on both sides (GPU busy 29-38 %, ~0.26 of the power). "
                       "Since these cells atom's MoE block holds the shared expert in the fused MoE's slot, 4 kernels "
-                      "fewer per MoE layer (2026-12-04b, bench/NOTES.md 87): not yet measured.",
+                      "fewer per MoE layer (2026-12-04b, bench/NOTES.md 87). Measured at the block alone (H100, "
+                      "2026-12-05b, bench/NOTES.md 88): 0.92-0.95x the separate MLP's time at 1-8 tokens on the "
+                      "TP-8 shard, 0.98x at one token with whole experts; not yet measured end to end.",
     "mla-fp8-throughput": "Missed at one TP-8 rank's shapes, a tie: 1.14x [0.87, 1.26] over 3 launches (DeepSeek-V3 "
                           "with 16 heads, expert intermediate 256, dense 2304, 256 experts, 4 layers of 61, block "
                           "fp8, dummy weights, routers drawn, H200, 2026-12-03c; per launch 1.26, 1.00, 1.00; stock on "
@@ -529,8 +531,11 @@ WHY = {
                           "stock's ~10.5 ms (~2.8 TB/s) on vLLM's default tile config, for which vLLM ships no tuned "
                           "H200 file at N=2048; deployments run the N=256 / 512 shards of TP-8 / TP-4, where it "
                           "ships one (bench/NOTES.md 79). The H100 cell (3.02x, 2 launches, stock stalling) stays "
-                          "shown. The shared expert in the fused MoE's slot (2026-12-04b, bench/NOTES.md 87) is not "
-                          "yet measured.",
+                          "shown. The shared expert in the fused MoE's slot (2026-12-04b, bench/NOTES.md 87), at the "
+                          "block alone on the H100: 0.96-0.98x the separate MLP's time at 32-128 tokens on the TP-8 "
+                          "shard, 1.03x at 512, so since 2026-12-07 it runs in the fused kernel up to 128 tokens "
+                          "(ATOM_FUSE_SHARED_EXPERTS_MAX_TOKENS) and dense above (bench/NOTES.md 88); not yet "
+                          "measured end to end.",
     "mla-fp8-memory": "Met; MLA's kv_b_proj stays dequantised for the absorbed decode: +16.8 MB per layer at "
                       "DeepSeek-V3 dims (1.02 GB over 61 layers).",
 }
