@@ -110,6 +110,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from ops_compute import Timer
 
+    from atom.ops.moe import shared_in_fused_kernel
+
     if not args.dry and not args.no_host_gemms:
         from atom.plugin.vllm.fp8_gemm import install
 
@@ -148,7 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for name in SIDES[rnd % 3:] + SIDES[:rnd % 3]:  # each side first in turn
                     times[name].append(timer(lambda name=name: run(name, x)))
         row = {"shape": "dry" if args.dry else args.shape, "tokens": t, "limit": limit,
-               "fused_path": "slot" if not limit or t <= limit else "dense", "rel_err": err["fused"],
+               "fused_path": "slot" if shared_in_fused_kernel(t, limit) else "dense", "rel_err": err["fused"],
                "rel_err_always": err["always"], **{f"{n}_us": statistics.median(v) for n, v in times.items()},
                "rounds": times}
         for name in ("fused", "always"):

@@ -278,22 +278,30 @@ def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _check_x_fp8(x, kwargs.get("block_shape"), kwargs.get("x_fp8"), kwargs.get("x_fp8_scale"))
     from atom.ops.moe_triton import fused_moe_fwd
 
-    if n and (not limit or x.shape[0] <= limit):  # the shared experts as extra pairs of the fused kernel
+    if n and shared_in_fused_kernel(x.shape[0], limit):  # the shared experts as extra pairs of the fused kernel
         topk_weights, topk_ids = with_shared_experts(topk_weights, topk_ids, w13.shape[0], n)
     elif n:  # the routed experts alone (the slots cut off), then each shared one dense
-        e = w13.shape[0] - n
-        routed = {k: (v[:e] if k in ("w13_scale", "w2_scale") and v is not None else v) for k, v in kwargs.items()}
-        out = fused_moe_fwd(x, w13[:e], w2[:e], topk_weights, topk_ids, **routed)
-        for j in range(e, e + n):
-            out += _dense_expert(x, w13[j], w2[j], j, **kwargs)
+        out = fused_moe_fwd(x, w13[:-n], w2[:-n], topk_weights, topk_ids, **_routed_kwargs(n, kwargs))
+        for j in range(w13.shape[0] - n, w13.shape[0]):
+            out += _dense_expert(x, w13, w2, j, **kwargs)
         return out
     return fused_moe_fwd(x, w13, w2, topk_weights, topk_ids, **kwargs)
+
+
+def shared_in_fused_kernel(tokens: int, shared_fused_max_tokens: int) -> bool:
+    """Whether a batch of ``tokens`` runs the shared experts inside the fused kernel (else dense)."""
+    return not shared_fused_max_tokens or tokens <= shared_fused_max_tokens
+
+
+def _routed_kwargs(n: int, kwargs: dict) -> dict:
+    """``kwargs`` with the fp8 scales cut to the routed experts (the last ``n``, shared, dropped: views)."""
+    return {k: (v[:-n] if k in ("w13_scale", "w2_scale") and v is not None else v) for k, v in kwargs.items()}
 
 
 def _dense_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, j: int, *, block_shape=None,
                   w13_scale=None, w2_scale=None, activation: str = "silu", swiglu_alpha: float = 1.702,
                   swiglu_limit: Optional[float] = 7.0, x_fp8=None, x_fp8_scale=None, **_) -> torch.Tensor:
-    """Expert ``j``'s MLP of every token (weight 1) on the dense GEMMs: fp8 W8A8
+    """Stacked expert ``j``'s MLP of every token (weight 1) on the dense GEMMs: fp8 W8A8
     :func:`atom.ops.fp8_block_gemm` (the host's GEMMs where it offers them; ``x`` quantised as the
     fused kernel quantises it) or ``F.linear``."""
     from atom.ops.activation import silu_and_mul
@@ -303,11 +311,11 @@ def _dense_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, j: int, 
     if activation != "silu":
         raise ValueError(f"shared experts run SiLU-and-mul, not {activation!r}")
     if block_shape is None:
-        return torch.nn.functional.linear(silu_and_mul.run("triton", torch.nn.functional.linear(x, w13)), w2)
+        return torch.nn.functional.linear(silu_and_mul.run("triton", torch.nn.functional.linear(x, w13[j])), w2[j])
     fp8_in = {} if x_fp8 is None else dict(x_fp8=x_fp8, x_fp8_scale=x_fp8_scale)
-    h = fp8_block_gemm.run("triton", x, w13, w13_scale[j], block_shape, w8a8_from=1, **fp8_in)
+    h = fp8_block_gemm.run("triton", x, w13[j], w13_scale[j], block_shape, w8a8_from=1, **fp8_in)
     a, q, s = silu_and_mul_quant_fp8.run("triton", h, int(block_shape[1]))
-    return fp8_block_gemm.run("triton", a, w2, w2_scale[j], block_shape, w8a8_from=1, x_fp8=q, x_fp8_scale=s)
+    return fp8_block_gemm.run("triton", a, w2[j], w2_scale[j], block_shape, w8a8_from=1, x_fp8=q, x_fp8_scale=s)
 
 
 def _fused_moe_aiter_supports(x: torch.Tensor, w13: torch.Tensor, *args, expert_map=None,
@@ -367,9 +375,8 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_exper
         return launches
     # Above it: the routed experts alone, and each shared one on the dense GEMMs.
     e, block = w13.shape[0] - n, kwargs.get("block_shape")
-    routed = {k: (v[:e] if k in ("w13_scale", "w2_scale") and v is not None else v) for k, v in kwargs.items()}
-    launches += timed("fused_moe", f"{what} routed", lambda: warm_up(w13[:e], w2[:e], top_k, num_experts, act_dtype,
-                                                                     **routed), w13.device)
+    launches += timed("fused_moe", f"{what} routed", lambda: warm_up(w13[:-n], w2[:-n], top_k, num_experts, act_dtype,
+                                                                     **_routed_kwargs(n, kwargs)), w13.device)
     if block is not None:
         from atom.ops.fp8_gemm import warm_up_fp8_block_gemm
 
@@ -377,5 +384,5 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_exper
             launches += warm_up_fp8_block_gemm(w, sc, block, act_dtype=act_dtype, w8a8_from=1, force=force,
                                                min_tokens=limit + 1)
     x = torch.zeros(limit + 1, w13.shape[2], dtype=act_dtype, device=w13.device)
-    _dense_expert(x, w13[e], w2[e], e, **kwargs)  # its activation kernels
+    _dense_expert(x, w13, w2, e, **kwargs)  # its activation kernels
     return launches + 1

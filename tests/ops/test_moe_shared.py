@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atom.ops import moe as moe_mod
-from atom.ops.moe import dequant_block_fp8_torch, fused_moe, per_token_group_quant_fp8_torch
+from atom.ops.moe import fused_moe, per_token_group_quant_fp8_torch
 
 from .test_moe import DEV, make_moe
 
@@ -96,7 +96,6 @@ def test_the_reference_uses_the_shared_slots_weights():
                            w2_scale=kw["w2_scale"][:6], block_shape=[128, 128])
     torch.testing.assert_close(cut, routed)
     assert not torch.equal(full, cut)
-    assert dequant_block_fp8_torch(w2[6:], s2[6:], [128, 128]).abs().max() == 0
 
 
 @pytest.mark.parametrize("bad,match", [
