@@ -12,11 +12,11 @@ sweep = load_bench("moe_sweep")
 
 
 def test_every_case_times_atoms_default_tiles_and_the_finalists(monkeypatch):
-    from atom.ops import moe_gemv_triton, moe_triton
+    from atom.ops import moe_gemv_triton, moe_tiles
     from atom.ops.moe_triton import MoeConfig, moe_config
 
     # the GPU's tiles (under the interpreter atom picks tiny ones)
-    monkeypatch.setattr(moe_triton, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(moe_tiles, "triton_interpreting", lambda: False)
     monkeypatch.setattr(moe_gemv_triton, "triton_interpreting", lambda: False)
 
     for shape, fp8, t, _ in sweep.cases(False):

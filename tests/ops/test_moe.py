@@ -223,9 +223,10 @@ def test_fp8_small_grid_tile_where_gemm1_fills_under_half_the_sms(monkeypatch):
     2-4 tokens, also with the shared expert in a ninth pair per token, entry 87); one token, wider
     experts, more tokens, bf16, more than 16 pairs per expert, or an unknown intermediate size / SM
     count keep the earlier tiles (the GPU's tiles: the interpreter's are switched off here)."""
+    from atom.ops import moe_tiles
     from atom.ops import moe_triton as mt
 
-    monkeypatch.setattr(mt, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(moe_tiles, "triton_interpreting", lambda: False)
     small = mt.MoeConfig(16, 64, 64, 128, 1, 4, 5, swap_ab=True)
 
     def cfg(t, experts=256, inter=256, sms=132, quant=128):

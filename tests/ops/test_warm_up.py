@@ -115,9 +115,10 @@ def test_moe_warm_up_counts_meet_every_tile_config(monkeypatch, top_k, experts, 
     switched off here); also for fp8 experts too large for the small-batch path (DeepSeek-V3's
     44 MB: one token goes to the grouped tiles), and with the experts' intermediate size and the SM
     count known (the fp8 small-grid bucket: one TP-8 rank's DeepSeek-V3 experts, inter 256)."""
+    from atom.ops import moe_tiles
     from atom.ops import moe_triton as mt
 
-    monkeypatch.setattr(mt, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(moe_tiles, "triton_interpreting", lambda: False)
     quant = 128 if fp8 else None
 
     def variant(t: int):
