@@ -228,7 +228,7 @@ def with_shared_experts(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_
     """Every token's top-k with the last ``num_shared`` of ``num_experts`` local experts appended,
     weight 1: ``([T, k + n] weights, [T, k + n] ids)``."""
     t = topk_ids.shape[0]
-    key = (num_experts, num_shared, topk_ids.dtype, str(topk_ids.device))
+    key = (num_experts, num_shared, topk_ids.dtype, topk_ids.device)
     ids = _SHARED_IDS.get(key)
     if ids is None:  # made once (the first call is a warm-up, before any CUDA-graph capture)
         ids = _SHARED_IDS[key] = torch.arange(num_experts - num_shared, num_experts, dtype=topk_ids.dtype,
@@ -369,14 +369,16 @@ def warm_up_fused_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_exper
     n, limit = kwargs.pop("num_shared", 0), kwargs.pop("shared_fused_max_tokens", 0)
     what = f"w13 {tuple(w13.shape)} {w13.dtype}"
     # Up to ``limit`` tokens (every size at 0) the shared experts are extra pairs of the fused kernel.
-    launches = timed("fused_moe", what, lambda: warm_up(w13, w2, top_k + n, num_experts + n, act_dtype, **kwargs),
-                     w13.device)
+    fused_sizes = (1, limit if n else 0)
+    launches = timed("fused_moe", what, lambda: warm_up(w13, w2, top_k + n, num_experts + n, act_dtype,
+                                                        tokens=fused_sizes, **kwargs), w13.device)
     if not (n and limit):
         return launches
     # Above it: the routed experts alone, and each shared one on the dense GEMMs.
     e, block = w13.shape[0] - n, kwargs.get("block_shape")
     launches += timed("fused_moe", f"{what} routed", lambda: warm_up(w13[:-n], w2[:-n], top_k, num_experts, act_dtype,
-                                                                     **_routed_kwargs(n, kwargs)), w13.device)
+                                                                     tokens=(limit + 1, 0), **_routed_kwargs(n, kwargs)),
+                      w13.device)
     if block is not None:
         from atom.ops.fp8_gemm import warm_up_fp8_block_gemm
 

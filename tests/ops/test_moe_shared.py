@@ -158,9 +158,10 @@ def test_layer_without_shared_experts_passes_no_shared_keywords():
 
 @pytest.mark.parametrize("limit", ["0", "3"])
 def test_layer_warm_up_covers_both_paths_and_keeps_the_output(monkeypatch, limit):
-    """The fused call over every slot (top-k + 1 pairs over 7 experts) is warmed; with a limit the
-    routed-only call (top-k over the 6 routed experts' rows) and the dense expert as well. The
-    output afterwards equals the one before, on both sides of the limit."""
+    """The fused call over every slot (top-k + 1 pairs over 7 experts) is warmed at the sizes it
+    serves (all, or up to the limit); with a limit the routed-only call (top-k over the 6 routed
+    experts' rows) from the limit + 1 on, and the dense expert as well. The output afterwards
+    equals the one before, on both sides of the limit."""
     from atom.models._moe import routed_and_shared
     from atom.ops import moe_triton
 
@@ -169,7 +170,10 @@ def test_layer_warm_up_covers_both_paths_and_keeps_the_output(monkeypatch, limit
     monkeypatch.setattr(moe_mod.fused_moe, "_warmed", set())
     asked, real = [], moe_triton.warm_up
     monkeypatch.setattr(moe_triton, "warm_up", lambda w13, w2, k, e, *a, **kw: asked.append(
-        (w13.shape[0], k, e)) or real(w13, w2, k, e, *a, **kw))
+        (w13.shape[0], k, e, kw["tokens"])) or real(w13, w2, k, e, *a, **kw))
+    launched, real_fwd = [], moe_triton.fused_moe_fwd
+    monkeypatch.setattr(moe_triton, "fused_moe_fwd", lambda x, w13, *a, **kw: launched.append(
+        (w13.shape[0], x.shape[0])) or real_fwd(x, w13, *a, **kw))
     xs = [torch.randn(t, 64, generator=torch.Generator().manual_seed(t)) for t in (2, 5)]
 
     def outs():
@@ -180,8 +184,17 @@ def test_layer_warm_up_covers_both_paths_and_keeps_the_output(monkeypatch, limit
         return res
 
     before = outs()
+    launched.clear()
     assert layer.warm_up_kernels(force=True) > 0
-    assert asked == ([(7, 3, 7)] if limit == "0" else [(7, 3, 7), (6, 2, 6)])
+    assert asked == ([(7, 3, 7, (1, 0))] if limit == "0" else [(7, 3, 7, (1, 3)), (6, 2, 6, (4, 0))])
+    fused, routed = ([t for e, t in launched if e == n] for n in (7, 6))
+    every = moe_triton.warm_up_token_counts(3, 7, 32, moe_triton.num_sms(layer.w13.device))
+    if limit == "0":  # every size the fused layout's buckets meet; the routed layout never runs
+        assert fused == every and not routed
+    else:  # the fused layout up to 3 tokens, the routed one from 4 (its bucket may begin below 4)
+        assert fused == [t for t in every if t <= 3] and max(fused) <= 3 < 4 == routed[0] < routed[1]
+        assert routed[1:] == [t for t in moe_triton.warm_up_token_counts(2, 6, 32, moe_triton.num_sms(
+            layer.w13.device)) if t > 4]
     for a, b in zip(outs(), before):
         torch.testing.assert_close(a, b)
     # the routed experts plus the slot, by hand: the reference the layer's op follows
