@@ -411,7 +411,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         otherwise match the dense ``gate_proj`` entry)."""
         stacked: list = []
         if any(is_moe_layer(self.hf_config, i) for i in range(self.hf_config.num_hidden_layers)):
-            shared = "shared_experts" if getattr(self, "fuse_shared", False) else None
+            shared = "shared_experts" if self.fuse_shared else None
             stacked += FusedMoE.checkpoint_params(num_routed_experts(self.hf_config), quant=self.quant, shared=shared)
         stacked += DENSE_STACKED
         if fuses_qkv_a(self.hf_config, self.quant):

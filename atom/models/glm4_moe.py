@@ -28,7 +28,7 @@ from atom.config import Config
 from atom.models._decoder import STACKED_PARAMS, AttentionOptions, GatedMLP, LlamaFamilyForCausalLM
 from atom.models._loading import StackedParams
 from atom.models._moe import FusedMoE, GroupedTopkRouter, fuses_shared_experts, routed_and_shared
-from atom.models.interfaces import ModelParallel
+from atom.models.interfaces import AttentionFactory, ModelParallel
 
 #: RoPE base and rotated fraction of each head when a config omits them (HF Glm4MoeConfig's).
 DEFAULT_ROPE_THETA = 10000.0
@@ -83,19 +83,23 @@ class Glm4MoeForCausalLM(LlamaFamilyForCausalLM):
         params.setdefault("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)
         return params
 
+    def build_layers(self, config: Config, make_attention: AttentionFactory, parallel: ModelParallel,
+                     prefix: str) -> list[nn.Module]:
+        # one answer for every layer: the checkpoint names map to one layout (stacked_params)
+        self.fuse_shared = fuses_shared_experts(int(getattr(config.hf_config, "n_shared_experts", 0) or 0),
+                                                config.enable_expert_parallel)
+        return super().build_layers(config, make_attention, parallel, prefix)
+
     def build_mlp(self, layer_idx: int, config: Config, parallel: ModelParallel) -> nn.Module:
         hf = config.hf_config
         if layer_idx < int(getattr(hf, "first_k_dense_replace", 0) or 0):
             return GatedMLP.of(hf, parallel, config.dtype)
-        # one answer for every layer: the checkpoint names map to one layout
-        self.fuse_shared = fuses_shared_experts(int(getattr(hf, "n_shared_experts", 0) or 0),
-                                                config.enable_expert_parallel)
         return Glm4MoeSparseMoeBlock(hf, parallel, config.enable_expert_parallel, config.dtype,
                                      fuse_shared=self.fuse_shared)
 
     def stacked_params(self) -> StackedParams:
         # Expert entries first: ``experts.3.gate_proj`` is not the dense ``gate_proj``.
-        shared = "shared_experts" if getattr(self, "fuse_shared", False) else None
+        shared = "shared_experts" if self.fuse_shared else None
         return [*FusedMoE.checkpoint_params(self.hf_config.n_routed_experts, shared=shared), *STACKED_PARAMS]
 
     def skip_weight(self, name: str) -> bool:
