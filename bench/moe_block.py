@@ -26,6 +26,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
+from moe_sweep import block_scales, fp8_normal  # bench/ is on sys.path (a script, or tests/_bench.py)
+
 REPO = Path(__file__).resolve().parent.parent
 #: shape -> (routed experts, top-k, hidden, expert intermediate size, groups, top groups)
 SHAPES = {"dsv3": (256, 8, 7168, 2048, 8, 4), "dsv3-tp8": (256, 8, 7168, 256, 8, 4)}
@@ -58,11 +60,11 @@ def build_pair(torch, hf, dev, seed: int = 0, process: bool = True):
     ex = fused.experts
     with torch.no_grad():
         for k in range(e + 1):  # per expert: no float32 copy of a whole layer
-            ex.w13.data[k] = torch.randn(2 * i, h, device=dev, generator=g, dtype=torch.bfloat16).to(ex.w13.dtype)
-            ex.w2.data[k] = torch.randn(h, i, device=dev, generator=g, dtype=torch.bfloat16).to(ex.w2.dtype)
+            ex.w13.data[k] = fp8_normal(torch, (2 * i, h), dev, g)
+            ex.w2.data[k] = fp8_normal(torch, (h, i), dev, g)
         s13, s2 = ex.w13_weight_scale_inv, ex.w2_weight_scale_inv
-        s13.data.copy_(torch.rand(s13.shape, device=dev, generator=g) / h ** 0.5 + 1e-3)
-        s2.data.copy_(torch.rand(s2.shape, device=dev, generator=g) / i ** 0.5 + 1e-3)
+        s13.data.copy_(block_scales(torch, s13.shape, h, dev, g))
+        s2.data.copy_(block_scales(torch, s2.shape, i, dev, g))
         fused.gate.weight.data.normal_(0.0, 0.02, generator=g)
         fused.gate.e_score_correction_bias.data.zero_()
         apart.gate.weight.data = fused.gate.weight.data

@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from moe_sweep import block_scales, fp8_normal  # bench/ is on sys.path (a script, or tests/_bench.py)
+
 REPO = Path(__file__).resolve().parent.parent
 #: the recipes (see the module docstring): power-of-two scales, gemm1 output in bf16, SiLU-and-mul output in bf16
 RECIPES = {"atom": (False, False, False), "vllm": (True, True, True), "vllm-no-e8m0": (False, True, True)}
@@ -84,10 +86,10 @@ def draw(torch, experts: int, hidden: int, inter: int, top_k: int, tokens: int, 
     tw = tw / tw.sum(-1, keepdim=True)
     weights = {}
     for e in sorted(set(ti.flatten().tolist())):
-        w13 = torch.randn(2 * inter, hidden, generator=g, dtype=torch.bfloat16).to(torch.float8_e4m3fn).float()
-        w2 = torch.randn(hidden, inter, generator=g, dtype=torch.bfloat16).to(torch.float8_e4m3fn).float()
-        s13 = torch.rand(2 * inter // 128, hidden // 128, generator=g) / hidden ** 0.5 + 1e-3
-        s2 = torch.rand(hidden // 128, inter // 128, generator=g) / inter ** 0.5 + 1e-3
+        w13 = fp8_normal(torch, (2 * inter, hidden), "cpu", g).float()
+        w2 = fp8_normal(torch, (hidden, inter), "cpu", g).float()
+        s13 = block_scales(torch, (2 * inter // 128, hidden // 128), hidden, "cpu", g)
+        s2 = block_scales(torch, (hidden // 128, inter // 128), inter, "cpu", g)
         weights[e] = (w13 * s13.repeat_interleave(128, 0).repeat_interleave(128, 1),
                       w2 * s2.repeat_interleave(128, 0).repeat_interleave(128, 1))
     x = torch.randn(tokens, hidden, generator=g, dtype=torch.bfloat16).float()

@@ -120,6 +120,17 @@ def cases(dry: bool, vs_vllm: bool = False, tp8: bool = False, tokens: tuple = (
     return out
 
 
+def fp8_normal(torch, shape, dev, g):
+    """The benches' fp8 expert weights (this script's, moe_block's, moe_numerics'): N(0, 1) drawn in
+    bf16, cast to e4m3."""
+    return torch.randn(*shape, device=dev, generator=g, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+
+
+def block_scales(torch, shape, fan_in: int, dev, g):
+    """Their 128 x 128 block scales: U(0, 1) / sqrt(fan_in) + 1e-3 (outputs of order 1)."""
+    return torch.rand(*shape, device=dev, generator=g) / fan_in ** 0.5 + 1e-3
+
+
 def make_weights(torch, dev, experts, hidden, inter, fp8, dtype):
     g = torch.Generator(device=dev).manual_seed(0)
     if fp8:
@@ -127,10 +138,10 @@ def make_weights(torch, dev, experts, hidden, inter, fp8, dtype):
         w13 = torch.empty(experts, 2 * inter, hidden, dtype=f8, device=dev)
         w2 = torch.empty(experts, hidden, inter, dtype=f8, device=dev)
         for e in range(experts):  # per expert: no float32 copy of a DeepSeek-V3 layer
-            w13[e] = torch.randn(2 * inter, hidden, device=dev, generator=g, dtype=torch.bfloat16).to(f8)
-            w2[e] = torch.randn(hidden, inter, device=dev, generator=g, dtype=torch.bfloat16).to(f8)
-        s13 = torch.rand(experts, 2 * inter // 128, hidden // 128, device=dev, generator=g) / hidden ** 0.5 + 1e-3
-        s2 = torch.rand(experts, hidden // 128, inter // 128, device=dev, generator=g) / inter ** 0.5 + 1e-3
+            w13[e] = fp8_normal(torch, (2 * inter, hidden), dev, g)
+            w2[e] = fp8_normal(torch, (hidden, inter), dev, g)
+        s13 = block_scales(torch, (experts, 2 * inter // 128, hidden // 128), hidden, dev, g)
+        s2 = block_scales(torch, (experts, hidden // 128, inter // 128), inter, dev, g)
         return w13, w2, dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
     w13 = (torch.randn(experts, 2 * inter, hidden, device=dev, generator=g) / hidden ** 0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, device=dev, generator=g) / inter ** 0.5).to(dtype)
