@@ -72,33 +72,43 @@ def load_checkpoint_weights(
 
 
 #: transformers 5 keeps a MoE layer's experts fused in memory: ``experts.gate_up_proj``
-#: ``[E, 2I, H]`` (gate rows first) and ``experts.down_proj`` ``[E, H, I]``. ``save_pretrained``
+#: ``[E, 2I, H]`` (gate rows first) and ``experts.down_proj`` ``[E, H, I]``; with block-fp8
+#: weights (its ``FP8Experts``) also their tile scales ``experts.gate_up_proj_scale_inv``
+#: ``[E, 2I / bn, H / bk]`` (gate tiles first) and ``experts.down_proj_scale_inv``. ``save_pretrained``
 #: splits them into the published per-expert layout, but checkpoints written from the in-memory
-#: state keep them fused, and vLLM loads those too.
+#: state keep them fused, and vLLM loads those too (bf16).
 _FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+_FUSED_SCALES = tuple(f"{fused}_scale_inv" for fused in _FUSED_EXPERTS)
 
 
 def _split_fused_experts(
     weights: Iterable[tuple[str, torch.Tensor]], params: dict, by_part: dict, longest: int
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """``weights`` with transformers 5's fused expert tensors replaced by the per-expert tensors
-    ``save_pretrained`` writes (``experts.<e>.{gate,up,down}_proj.weight``), for models that load
-    per-expert names. A model that has a parameter of that name itself (GPT-OSS's fused experts)
-    gets the tensor as it is."""
+    ``save_pretrained`` writes (``experts.<e>.{gate,up,down}_proj.weight`` and, block fp8,
+    ``.weight_scale_inv``), for models that load per-expert names. A model that has a parameter of
+    that name itself (GPT-OSS's fused experts) gets the tensor as it is."""
     for name, tensor in weights:
-        if (not name.endswith(_FUSED_EXPERTS) or tensor.dim() != 3
+        scale = name.endswith(_FUSED_SCALES)
+        if (not (scale or name.endswith(_FUSED_EXPERTS)) or tensor.dim() != 3
                 or _stacked_target(name, by_part, longest)[0] in params):
             yield name, tensor
             continue
-        prefix = name[: name.rindex(".experts.") + len(".experts.")]
-        if name.endswith("gate_up_proj"):
-            inter = tensor.shape[1] // 2
+        base = name.removesuffix("_scale_inv")
+        prefix, suffix = base[: base.rindex(".experts.") + len(".experts.")], "weight_scale_inv" if scale else "weight"
+        if base.endswith("gate_up_proj"):
+            rows = tensor.shape[1]
+            if rows % 2:  # an odd count of tile rows: one tile holds gate and up rows
+                raise ValueError(f"checkpoint tensor {name!r}: {rows} rows of fp8 tiles do not split between the "
+                                 "gate and up halves (the expert intermediate size is not a multiple of the fp8 "
+                                 "block); write the experts per expert (save_pretrained) instead")
+            half = rows // 2
             for e in range(tensor.shape[0]):
-                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :inter]
-                yield f"{prefix}{e}.up_proj.weight", tensor[e, inter:]
+                yield f"{prefix}{e}.gate_proj.{suffix}", tensor[e, :half]
+                yield f"{prefix}{e}.up_proj.{suffix}", tensor[e, half:]
         else:
             for e in range(tensor.shape[0]):
-                yield f"{prefix}{e}.down_proj.weight", tensor[e]
+                yield f"{prefix}{e}.down_proj.{suffix}", tensor[e]
 
 
 def _stacked_target(

@@ -351,6 +351,41 @@ def write_dequantized(model_dir: str | Path, out_dir: str | Path, dtype: str = "
     return out
 
 
+def write_fused_experts(src: str | Path, dst: str | Path) -> int:
+    """A copy of checkpoint ``src`` with every layer's per-expert tensors fused the way
+    transformers 5 holds them in memory: ``experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
+    ``experts.down_proj`` [E, H, I], and for block fp8 their tile scales ``experts.gate_up_proj_scale_inv``
+    [E, 2I / bn, H / bk] (gate tiles first) and ``experts.down_proj_scale_inv``; returns the number of
+    fused tensors written. Shared experts (``shared_experts.*``) stay as they are."""
+    import re
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(.*\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)", name)
+        if m:
+            experts.setdefault((m[1], m[4]), {}).setdefault(int(m[2]), {})[m[3]] = t
+        else:
+            out[name] = t
+    for (prefix, tensor), by_e in experts.items():
+        sfx = "" if tensor == "weight" else "_scale_inv"
+        order = sorted(by_e)
+        out[f"{prefix}gate_up_proj{sfx}"] = torch.stack([torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]])
+                                                       for e in order])
+        out[f"{prefix}down_proj{sfx}"] = torch.stack([by_e[e]["down_proj"] for e in order])
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return 2 * len(experts)
+
+
 def _add_mtp_layer(out: Path, num_layers: int) -> None:
     """Append tensors of one multi-token-prediction layer (``model.layers.{num_layers}.*``: the
     last decoder layer's weights plus MTP's own projection and norms), as GLM-4.5 checkpoints

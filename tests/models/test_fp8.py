@@ -372,6 +372,48 @@ def test_expert_parallel_ranks_match_single_rank(fp8_checkpoint):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe_fp8_block", "deepseek_v3_fp8_block"])
+def test_fused_fp8_experts_load_like_the_per_expert_ones(tiny_model, kind, tmp_path):
+    """Block-fp8 experts as transformers 5 holds them in memory (``experts.gate_up_proj`` [E, 2I, H]
+    and its tile scales ``experts.gate_up_proj_scale_inv`` [E, 2I / 128, H / 128], gate first;
+    ``experts.down_proj`` and ``down_proj_scale_inv``): atom's loader splits weights and scales per
+    expert, so the model holds, bit for bit, the fp8 weights and scales of the per-expert checkpoint
+    (DeepSeek-V3: also the shared expert's slot and the skipped MTP layer's experts), and gives the
+    same logits. A fused scale whose tile rows do not split between gate and up is refused."""
+    from atom.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from atom.testing.tiny_models import write_fused_experts
+
+    cls = DeepseekV3ForCausalLM if kind.startswith("deepseek") else _model_class(kind)
+    path, fused = tiny_model(kind), tmp_path / "fused"
+    write_fused_experts(path, fused)
+    tensors = load_file(str(fused / "model.safetensors"))
+    hf = _hf_config(path)
+    experts = getattr(hf, "n_routed_experts", None) or hf.num_experts
+    scale = tensors["model.layers.1.mlp.experts.gate_up_proj_scale_inv"]
+    assert scale.shape == (experts, 2 * hf.moe_intermediate_size // 128, -(-hf.hidden_size // 128))
+    assert tensors["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.float8_e4m3fn
+    assert not [n for n in tensors if ".experts.0." in n]
+
+    def load(items):
+        return build_atom_model(cls, hf, items)
+
+    ref, got = load(load_file(str(path / "model.safetensors")).items()), load(tensors.items())
+    want = dict(ref.named_parameters())
+    assert want.keys() == dict(got.named_parameters()).keys()
+    for name, p in got.named_parameters():
+        a, b = (t.data.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.data for t in (p, want[name]))
+        assert p.dtype == want[name].dtype and torch.equal(a, b), name
+    for model in (ref, got):
+        model.process_weights_after_loading()
+    ids = torch.tensor(mixed_prompts()[-1])
+    torch.testing.assert_close(full_logits(got, ids), full_logits(ref, ids), atol=0, rtol=0)
+
+    straddling = dict(tensors)
+    straddling["model.layers.1.mlp.experts.gate_up_proj_scale_inv"] = torch.ones(experts, 3, scale.shape[2])
+    with pytest.raises(ValueError, match="do not split between the gate and up halves"):
+        load(straddling.items())
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_per_tensor_moe_loads_and_dequantizes(static):
     """Per-tensor fp8 experts (``weight_scale`` per matrix, ``input_scale`` when static):

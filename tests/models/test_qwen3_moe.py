@@ -79,43 +79,16 @@ def test_fp32_greedy_tokens_equal_stock_vllm(atom_runs, stock_runs):
     assert_same_greedy_run(atom_runs["float32"], stock_runs["float32"], FP32_LOGPROB_ATOL)
 
 
-def _write_fused_experts_checkpoint(src: Path, dst: Path) -> int:
-    """``src`` with every layer's per-expert tensors fused the way transformers 5 holds them in
-    memory (``experts.gate_up_proj`` [E, 2I, H], gate rows first; ``experts.down_proj`` [E, H, I]);
-    returns the number of fused tensors written."""
-    import re
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    out = {}
-    for name, t in tensors.items():
-        m = re.fullmatch(r"(.*\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
-        if m:
-            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
-        else:
-            out[name] = t
-    for prefix, by_e in experts.items():
-        order = sorted(by_e)
-        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]]) for e in order])
-        out[prefix + "down_proj"] = torch.stack([by_e[e]["down_proj"] for e in order])
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return 2 * len(experts)
-
-
 def test_fused_expert_checkpoint_loads_like_the_per_expert_one(checkpoint, prompts, engine_kwargs, stock_runs,
                                                                tmp_path):
     """A checkpoint written from transformers 5's in-memory state keeps each layer's experts
     fused (vLLM 0.26 loads it; the H100 benchmark's first writer produced one): atom's loader
     splits them into the per-expert tensors, and the fp32 tokens equal stock vLLM's on the
     per-expert original."""
+    from atom.testing.tiny_models import write_fused_experts
+
     fused = tmp_path / "fused"
-    assert _write_fused_experts_checkpoint(checkpoint, fused) == 2 * NUM_LAYERS
+    assert write_fused_experts(checkpoint, fused) == 2 * NUM_LAYERS
     with pytest.MonkeyPatch.context() as mp:
         for key, value in runner.ENGINE_ENV.items():
             mp.setenv(key, value)
