@@ -97,8 +97,10 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "vLLM in fp32 (bench/agreement.py): teacher-forced top-1 96.3% in bf16 (stock bf16: "
                  "96.3%), 99.2% in fp32. fp8 128x128 block-scaled (tiny checkpoint): CPU engine in bf16 close to stock vLLM "
                  "on the dequantised weights, model alone equal to HF on the dequantised weights in "
-                 "fp32, TP=2 / EP=2 scale slicing checked; H100: fused_moe on fp8 block-scaled experts "
-                 "matches the dequantised reference in the GPU test (model alone)",
+                 "fp32, TP=2 / EP=2 scale slicing checked; the experts per expert or in transformers 5's "
+                 "fused layout (gate_up_proj and its tile scales) load the same fp8 tensors; H100: "
+                 "fused_moe on fp8 block-scaled experts matches the dequantised reference in the GPU test "
+                 "(model alone)",
         quantization=("fp8",),
         nvidia_fp8_block_aside="atom's fp8 MoE model measured no gain over vLLM's own: a tie at one sequence "
                                "(0.99x [0.99, 1.02], Qwen3-30B-A3B dims, 48 layers, H200, 3 launches); its "
@@ -204,7 +206,9 @@ MODEL_TABLE: tuple[ModelEntry, ...] = (
                  "(teacher-forced logprobs mean 0.029; atom's bf16 no further from the fp32 model than "
                  "stock's), model alone equal to HF on the dequantised weights in fp32; per-tensor fp8 "
                  "(dynamic and static activations), an off-tile q_lora_rank (q_a / kv_a then unfused) and "
-                 "no q-LoRA on the model alone; TP=2 / EP=2 scale slicing checked. kv_b_proj is held "
+                 "no q-LoRA on the model alone; TP=2 / EP=2 scale slicing checked; the routed experts in "
+                 "transformers 5's fused layout (gate_up_proj and its tile scales) give the per-expert "
+                 "checkpoint's tokens in the CPU engine. kv_b_proj is held "
                  "dequantised (bf16 when serving bf16: +16.8 MB per layer at DeepSeek-V3's dims, 1.02 GB "
                  "over 61 layers, split over the TP ranks). H100: the fp8 model alone (block GEMM dense layers, "
                  "fp8 fused MoE with a partial input tile) matches the dequantised reference; the tiny fp8 "

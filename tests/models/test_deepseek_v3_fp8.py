@@ -29,6 +29,7 @@ from tests.models import _engine_runner as runner
 from tests.models._harness import (
     ThreadGroup,
     assert_close_greedy_run,
+    assert_same_greedy_run,
     assert_within_fp8_activation_noise,
     build_atom_model,
     full_logits,
@@ -436,6 +437,18 @@ def test_vllm_engine_serves_fp8_checkpoint_like_stock_on_dequantized_weights(eng
     (atom_max, atom_mean), (stock_max, stock_mean) = _distance(ours, reference), _distance(stock, reference)
     assert atom_mean <= ORACLE_FACTOR * stock_mean + ORACLE_MEAN_MARGIN, (atom_mean, stock_mean)
     assert atom_max <= ORACLE_FACTOR * stock_max + ORACLE_MAX_MARGIN, (atom_max, stock_max)
+
+
+def test_vllm_engine_serves_fused_fp8_experts_like_the_per_expert_checkpoint(engine_runs, checkpoint, tmp_path):
+    """The checkpoint with its routed experts in transformers 5's fused layout (fp8 weights and their
+    tile scales, tests/models/test_fp8.py has the loader's bit-for-bit check), served by a real vLLM
+    engine: the same greedy tokens and logprobs as atom's engine on the per-expert checkpoint."""
+    from atom.testing.tiny_models import write_fused_experts
+
+    write_fused_experts(checkpoint, tmp_path / "fused")
+    fused = _engine_process_run(tmp_path / "fused", mixed_prompts(), tmp_path / "run", atom=True,
+                                engine=ENGINE_KWARGS)
+    assert_same_greedy_run(fused, engine_runs[0], 1e-4)
 
 
 def test_vllm_engine_loads_fp8_layers_and_dequantizes_kv_b_proj(engine_runs, checkpoint):
