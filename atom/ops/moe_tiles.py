@@ -109,10 +109,11 @@ MOE_CONFIG_EDGES = (4, 16, 192)
 
 
 def warm_up_token_counts(top_k: int, num_local: int, inter: Optional[int] = None,
-                         num_sms: Optional[int] = None) -> list[int]:
+                         num_sms: Optional[int] = None, tokens: tuple[int, int] = (1, 0)) -> list[int]:
     """Batch sizes that meet every tile bucket of :func:`moe_config` (just below and above each
     edge, and the small-grid bucket's) and every ``CHUNK`` of the align kernel (pairs in each
-    power-of-two bucket up to 1024)."""
+    power-of-two bucket up to 1024), among the sizes ``tokens = (lo, hi)`` (``hi`` 0: no upper
+    end): those of the full set inside, and ``lo`` itself, whose bucket may begin below it."""
     counts = {1}
     if small_grid(2, top_k, num_local, inter, num_sms):  # 2 and the first size past the small-grid bucket
         counts |= {2, next(t for t in range(3, 1 << 30) if not small_grid(t, top_k, num_local, inter, num_sms))}
@@ -124,4 +125,5 @@ def warm_up_token_counts(top_k: int, num_local: int, inter: Optional[int] = None
         counts.add(max(1, chunk // (2 * top_k) + 1))
         chunk *= 2
     counts |= {gemv_max_tokens(False) + 1, gemv_max_tokens(True) + 1}  # the first grouped batches
-    return sorted(counts)
+    lo, hi = tokens
+    return [lo] + sorted(t for t in counts if lo < t and (not hi or t <= hi))

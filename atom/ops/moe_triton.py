@@ -320,16 +320,14 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, a
     size, so that Triton compiles each tile configuration's kernels now and not inside the first
     served batch of that size (batches above vLLM's largest CUDA-graph size are never captured,
     and a 1,024-2,048-token prefill chunk otherwise stalls on the JIT). ``tokens``: the batch
-    sizes ``(lo, hi)`` this layout serves (``hi`` 0: no upper end); only the counts inside are
-    launched, and ``lo`` itself, whose bucket may begin below it. ``kwargs``: the layer's
+    sizes ``(lo, hi)`` this layout serves (``hi`` 0: no upper end; see
+    :func:`~atom.ops.moe_tiles.warm_up_token_counts`). ``kwargs``: the layer's
     :func:`fused_moe_fwd` keywords (expert_map, fp8 scales, biases, activation); the tokens are
     ``act_dtype`` zeros routed over ``num_experts`` (the global count under EP), while the tile
     buckets count ``w13``'s local experts, as :func:`fused_moe_fwd` does. Returns the number of
     launches."""
     hidden, dev = w13.shape[2], w13.device
-    counts = warm_up_token_counts(top_k, w13.shape[0], w13.shape[1] // 2, num_sms(dev))
-    lo, hi = tokens
-    counts = [lo] + [t for t in counts if lo < t and (not hi or t <= hi)]
+    counts = warm_up_token_counts(top_k, w13.shape[0], w13.shape[1] // 2, num_sms(dev), tokens)
     for t in counts:
         x = torch.zeros(t, hidden, dtype=act_dtype, device=dev)
         ids = (torch.arange(t * top_k, device=dev, dtype=torch.int32) % num_experts).view(t, top_k)

@@ -126,8 +126,14 @@ def test_moe_warm_up_counts_meet_every_tile_config(monkeypatch, top_k, experts, 
             return mt.gemv_config(quant, torch.bfloat16)
         return mt.moe_config(t, top_k, experts, quant, torch.bfloat16, inter, sms), mt.align_chunk(t * top_k)
 
-    want = {variant(t) for t in range(1, 8193)}
-    assert {variant(t) for t in mt.warm_up_token_counts(top_k, experts, inter, sms)} == want
+    every = {t: variant(t) for t in range(1, 8193)}
+    assert {every[t] for t in mt.warm_up_token_counts(top_k, experts, inter, sms)} == set(every.values())
+    # a layout that serves only some sizes (the shared-expert slot's two layouts, bench/NOTES.md 90):
+    # what those sizes meet, launched only inside them
+    for lo, hi in ((1, 1), (1, 3), (1, 128), (2, 0), (4, 0), (129, 0), (5, 40)):
+        counts = mt.warm_up_token_counts(top_k, experts, inter, sms, (lo, hi))
+        assert counts[0] == lo and all(lo <= t <= (hi or 8192) for t in counts)
+        assert {every[t] for t in counts} == {every[t] for t in range(lo, (hi or 8192) + 1)}, (lo, hi)
 
 
 def test_attention_warm_up_runs_once_per_shape():
