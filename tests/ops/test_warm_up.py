@@ -185,8 +185,8 @@ def test_moe_layer_warm_up_keeps_its_output(monkeypatch):
     monkeypatch.setattr(moe_triton, "warm_up_token_counts",
                         lambda k, e, *a: asked.append((k, e, *a)) or real(k, e, *a))
     n = layer.warm_up_kernels(force=True)
-    # the local expert count, not the global 8; the local intermediate size; the SM count
-    assert asked == [(2, 4, 16, moe_triton.num_sms(layer.w13.device))] and n == len(real(2, 4))
+    # the local expert count, not the global 8; the local intermediate size; the SM count; every size
+    assert asked == [(2, 4, 16, moe_triton.num_sms(layer.w13.device), (1, 0))] and n == len(real(2, 4))
     assert layer.warm_up_kernels(force=True) == 0
     torch.testing.assert_close(layer(x, logits), before)
 
